@@ -1,0 +1,5 @@
+from nanovllm.engine.llm_engine import RequestOutput
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput"]

@@ -1,0 +1,118 @@
+"""Paged KV-cache blocks with reference counts and a prefix cache (vLLM's automatic prefix caching).
+
+A full block is identified by xxhash64 over (hash of the previous block, its token ids), so
+equal hashes mean equal prefixes; a hit is still checked against the block's stored token ids,
+so a hash collision is never served. A freed block keeps its hash (and stays findable) until
+the free list hands it out again, oldest-freed first.
+"""
+from array import array
+from collections import OrderedDict
+
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1
+        self.token_ids: list[int] | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block_id: dict[int, int] = {}
+
+    @staticmethod
+    def compute_hash(token_ids: list[int], prefix_hash: int = -1) -> int:
+        h = xxhash.xxh64()
+        if prefix_hash != -1:
+            h.update(prefix_hash.to_bytes(8, "little"))
+        h.update(array("q", token_ids).tobytes())
+        return h.intdigest()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def find_cached_blocks(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of `seq`'s tokens. The last token is never
+        included, so the step that admits `seq` always has at least one token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, prefix_hash, bs = [], -1, self.block_size
+        for i in range((len(seq) - 1) // bs):
+            tokens = seq.token_ids[i * bs:(i + 1) * bs]
+            prefix_hash = self.compute_hash(tokens, prefix_hash)
+            block_id = self.hash_to_block_id.get(prefix_hash)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
+        """Give `seq` blocks for `num_new_tokens` more tokens after its computed ones, first taking
+        `cached_block_ids` (from find_cached_blocks, for a sequence that holds no blocks yet).
+        Returns False, changing nothing, when too few blocks are free."""
+        reused_free = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)
+        num_computed = seq.num_computed_tokens + len(cached_block_ids) * self.block_size
+        new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(seq.block_table) - len(cached_block_ids)
+        if reused_free + max(new_blocks, 0) > self.num_free_blocks:
+            return False
+        for block_id in cached_block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        if cached_block_ids:
+            seq.num_computed_tokens = seq.num_cached_tokens = num_computed
+            seq.num_hashed_blocks = len(cached_block_ids)
+        for _ in range(new_blocks):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash != -1:  # evict its prefix-cache entry
+            if self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+            block.hash, block.token_ids = -1, None
+        block.ref_count = 1
+        return block_id
+
+    def cache_full_blocks(self, seq: Sequence):
+        """Register in the prefix cache every block of `seq` that is now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // bs):
+            block = self.blocks[seq.block_table[i]]
+            prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
+            block.token_ids = seq.token_ids[i * bs:(i + 1) * bs]
+            block.hash = self.compute_hash(block.token_ids, prefix_hash)
+            self.hash_to_block_id.setdefault(block.hash, block.block_id)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, seq.num_computed_tokens // bs)
+
+    def free(self, seq: Sequence):
+        """Drop `seq`'s references; blocks no one holds go to the free list, tail blocks first so
+        that a shared prefix is evicted last."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        seq.num_hashed_blocks = 0

@@ -1,0 +1,264 @@
+"""Runs one packed forward per step: builds the step's inputs, writes K/V into the paged cache,
+computes logits for the sampled rows only and samples them. Decode-only steps replay CUDA graphs."""
+import numpy as np
+import torch
+from torch import nn
+
+from nanovllm.config import Config
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.attention import Attention, select_backend
+from nanovllm.layers.sampler import Sampler
+from nanovllm.models.registry import model_class
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.context import Context, reset_context, set_context
+from nanovllm.utils.loader import load_weights
+from nanovllm.utils.source import ModelSource
+
+
+def _init_dummy_weights(model: nn.Module, std: float):
+    """Random weights (load_format="dummy"): N(0, std) for matrices, ones for norm weights, zeros for biases."""
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        elif name.endswith("bias"):
+            param.data.zero_()
+        else:
+            param.data.normal_(0.0, std)
+
+
+class ModelRunner:
+    def __init__(self, config: Config, source: ModelSource, max_model_len: int):
+        self.config = config
+        hf_config = source.hf_config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype(hf_config)
+        self.block_size = config.kvcache_block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = (max_model_len + self.block_size - 1) // self.block_size
+        torch.manual_seed(config.seed)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = model_class(hf_config)(hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if source.weights is None:
+            _init_dummy_weights(self.model, getattr(hf_config, "initializer_range", 0.02))
+        else:
+            load_weights(self.model, source.weights())
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.backend = select_backend(config.attention_backend, self.device)
+        for layer in self.attn_layers:
+            layer.backend = self.backend
+        self.sampler = Sampler(config.seed)
+        self.num_kvcache_blocks = self._allocate_kv_cache()
+        self.graphs = {}
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
+            self._capture_cudagraphs()
+
+    # ---- KV cache ----------------------------------------------------------------------------
+
+    def _block_bytes(self) -> int:
+        layer = self.attn_layers[0]
+        return 2 * len(self.attn_layers) * self.block_size * layer.num_kv_heads * layer.head_dim * self.dtype.itemsize
+
+    def _allocate_kv_cache(self) -> int:
+        """Size the KV pool (num_kvcache_blocks, else from gpu_memory_utilization after a warm-up
+        forward on GPU, else cpu_kvcache_space_gib on CPU) and hand each Attention layer its slice.
+        Raises ValueError when not even one max_model_len sequence fits."""
+        cfg, block_bytes = self.config, self._block_bytes()
+        if cfg.num_kvcache_blocks is not None:
+            num_blocks, budget = cfg.num_kvcache_blocks, "num_kvcache_blocks"
+        elif self.device.type == "cuda":
+            num_blocks, budget = self._blocks_from_gpu_memory(block_bytes), "gpu_memory_utilization"
+        else:
+            limit = cfg.max_num_seqs * self.max_blocks_per_seq  # more would never be used at once
+            num_blocks, budget = min(int(cfg.cpu_kvcache_space_gib * 2**30) // block_bytes, limit), "cpu_kvcache_space_gib"
+        if num_blocks < self.max_blocks_per_seq:
+            raise ValueError(
+                f"the KV cache holds {max(num_blocks, 0)} blocks of {self.block_size} tokens "
+                f"({max(num_blocks, 0) * block_bytes / 2**30:.2f} GiB), but one sequence of max_model_len="
+                f"{self.max_model_len} needs {self.max_blocks_per_seq} ({self.max_blocks_per_seq * block_bytes / 2**30:.2f} GiB); "
+                f"raise {budget} or lower max_model_len")
+        layer = self.attn_layers[0]
+        shape = (2, len(self.attn_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.attn_layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        return num_blocks
+
+    def _blocks_from_gpu_memory(self, block_bytes: int) -> int:
+        """Blocks that fit in gpu_memory_utilization * total memory after the weights and the
+        activations of a warm-up step at the largest batch (max_num_batched_tokens tokens)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        warmup_bytes = self._warmup()
+        free, total = torch.cuda.mem_get_info()
+        stats = torch.cuda.memory_stats()
+        peak = stats["allocated_bytes.all.peak"] - warmup_bytes  # the warm-up's own KV cache is not activation
+        used_outside = (total - free) - stats["reserved_bytes.all.current"]  # CUDA context, other processes
+        available = total * self.config.gpu_memory_utilization - used_outside - peak
+        return int(available // block_bytes)
+
+    @torch.inference_mode()
+    def _warmup(self) -> int:
+        """One prefill step of max_num_batched_tokens tokens and sampling of max_num_seqs rows, with a
+        temporary KV cache just big enough; returns that cache's size in bytes."""
+        cfg = self.config
+        num_tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * self.max_model_len)
+        num_seqs = max(1, min(cfg.max_num_seqs, num_tokens // self.max_model_len))
+        lens = [num_tokens // num_seqs] * num_seqs
+        num_blocks = sum((n + self.block_size - 1) // self.block_size for n in lens)
+        layer = self.attn_layers[0]
+        shape = (2, len(self.attn_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.attn_layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        seqs, next_block = [], 0
+        for n in lens:
+            seq = Sequence([0] * n, SamplingParams(temperature=0.0, max_tokens=1))
+            seq.block_table = list(range(next_block, next_block + (n + self.block_size - 1) // self.block_size))
+            next_block += len(seq.block_table)
+            seqs.append((seq, n))
+        self.run(seqs)
+        logits = torch.zeros(cfg.max_num_seqs, self.model.lm_head.num_embeddings, device=self.device)
+        self.sampler(logits, torch.ones(cfg.max_num_seqs, device=self.device))
+        del logits
+        cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        del self.kv_cache
+        for attn in self.attn_layers:
+            attn.k_cache = attn.v_cache = torch.tensor([])
+        torch.cuda.synchronize()
+        return cache_bytes
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def _prepare(self, scheduled: list[tuple[Sequence, int]]):
+        """Pack the step's new tokens: input_ids, positions and the attention Context (see Context),
+        plus the rows whose logits are sampled (the last new token of each sequence that reaches
+        its end this step). Index math is vectorised over tokens."""
+        bs = self.block_size
+        num_seqs = len(scheduled)
+        starts = np.fromiter((seq.num_computed_tokens for seq, _ in scheduled), np.int64, num_seqs)
+        counts = np.fromiter((n for _, n in scheduled), np.int64, num_seqs)
+        cu_q = np.zeros(num_seqs + 1, np.int64)
+        np.cumsum(counts, out=cu_q[1:])
+        context_lens = starts + counts
+        width = int(-(-context_lens.max() // bs))
+        block_tables = np.full((num_seqs, width), -1, np.int64)
+        input_ids = []
+        for i, (seq, n) in enumerate(scheduled):
+            table = seq.block_table[:width]
+            block_tables[i, :len(table)] = table
+            input_ids.extend(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n])
+        seq_of_token = np.repeat(np.arange(num_seqs), counts)
+        positions = np.arange(cu_q[-1]) - cu_q[seq_of_token] + starts[seq_of_token]
+        slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
+        samples = [(i, seq) for i, (seq, n) in enumerate(scheduled) if seq.num_computed_tokens + n == len(seq)]
+        sample_rows = cu_q[[i + 1 for i, _ in samples]] - 1
+
+        def dev(a, dtype):
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device=self.device, dtype=dtype, non_blocking=True)
+
+        ctx = Context(is_decode=bool((counts == 1).all()), cu_seqlens_q=dev(cu_q, torch.int32),
+                      max_seqlen_q=int(counts.max()), context_lens=dev(context_lens, torch.int32),
+                      max_seqlen_k=int(context_lens.max()), slot_mapping=dev(slot_mapping, torch.int64),
+                      block_tables=dev(block_tables, torch.int32))
+        return (torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True),
+                dev(positions, torch.int64), ctx, dev(sample_rows, torch.int64), [seq for _, seq in samples])
+
+    def _prepare_sampling(self, seqs: list[Sequence]) -> dict:
+        params = [seq.sampling_params for seq in seqs]
+        if all(p.temperature == 0 for p in params):
+            return {}
+
+        def dev(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        out = {"temperatures": dev([p.temperature for p in params], torch.float32)}
+        if any(p.top_k > 0 for p in params):
+            out["top_k"] = dev([p.top_k for p in params], torch.int64)
+        if any(p.top_p < 1 for p in params):
+            out["top_p"] = dev([p.top_p for p in params], torch.float32)
+        if any(p.min_p > 0 for p in params):
+            out["min_p"] = dev([p.min_p for p in params], torch.float32)
+        generators = {}
+        for row, seq in enumerate(seqs):
+            if seq.sampling_params.seed is not None and seq.sampling_params.temperature > 0:
+                if getattr(seq, "generator", None) is None:
+                    seq.generator = torch.Generator(self.device).manual_seed(seq.sampling_params.seed)
+                generators[row] = seq.generator
+        if generators:
+            out["generators"] = generators
+        return out
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[tuple[Sequence, int]]) -> list[int]:
+        """Run one step; returns the sampled token of each sequence that reaches its end, in order."""
+        input_ids, positions, ctx, sample_rows, sample_seqs = self._prepare(scheduled)
+        hidden = self._forward(input_ids, positions, ctx)
+        reset_context()
+        if not sample_seqs:
+            return []
+        logits = self.model.compute_logits(hidden[sample_rows])
+        return self.sampler(logits, **self._prepare_sampling(sample_seqs)).tolist()
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
+        num_tokens = input_ids.size(0)
+        graph_bs = next((b for b in self.graph_batch_sizes if b >= num_tokens), None) if ctx.is_decode and self.graphs else None
+        if graph_bs is None:
+            set_context(ctx)
+            return self.model(input_ids, positions)
+        return self._replay(graph_bs, input_ids, positions, ctx)
+
+    # ---- CUDA graphs for decode -------------------------------------------------------------
+
+    @property
+    def graph_batch_sizes(self) -> list[int]:
+        max_bs = self.config.max_num_seqs
+        return sorted({b for b in [1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs] if b <= max_bs})
+
+    @torch.inference_mode()
+    def _capture_cudagraphs(self):
+        """Capture one decode forward per batch size in graph_batch_sizes, largest first, sharing
+        one memory pool. A step of n sequences replays the smallest captured size >= n with the
+        padding rows' slots set to -1 (no KV write) and context length 0."""
+        max_bs = max(self.graph_batch_sizes)
+        hidden_size = self.model.model.embed_tokens.weight.size(1)
+        self.graph_vars = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=self.device),
+            positions=torch.zeros(max_bs, dtype=torch.int64, device=self.device),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64, device=self.device),
+            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=self.device),
+            cu_seqlens_q=torch.arange(max_bs + 1, dtype=torch.int32, device=self.device),
+            outputs=torch.zeros(max_bs, hidden_size, dtype=self.dtype, device=self.device),
+        )
+        v = self.graph_vars
+        pool = None
+        for bs in reversed(self.graph_batch_sizes):
+            set_context(Context(is_decode=True, cu_seqlens_q=v["cu_seqlens_q"][:bs + 1], max_seqlen_q=1,
+                                context_lens=v["context_lens"][:bs], max_seqlen_k=self.max_model_len,
+                                slot_mapping=v["slot_mapping"][:bs], block_tables=v["block_tables"][:bs]))
+            v["outputs"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])  # warm-up (compiles)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                v["outputs"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])
+            pool = graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+        reset_context()
+
+    def _replay(self, bs: int, input_ids, positions, ctx: Context) -> torch.Tensor:
+        v, n = self.graph_vars, input_ids.size(0)
+        v["input_ids"][:n] = input_ids
+        v["positions"][:n] = positions
+        v["slot_mapping"].fill_(-1)
+        v["slot_mapping"][:n] = ctx.slot_mapping
+        v["context_lens"].zero_()
+        v["context_lens"][:n] = ctx.context_lens
+        v["block_tables"][:n, :ctx.block_tables.size(1)] = ctx.block_tables
+        self.graphs[bs].replay()
+        return v["outputs"][:n]
+

@@ -1,0 +1,82 @@
+"""Decides which tokens run in each step (continuous batching with chunked prefill).
+
+Each step has a budget of `max_num_batched_tokens`. Running sequences go first, oldest first:
+a decoding sequence takes one token, one still in prefill takes the next chunk of its prompt
+that fits. Waiting sequences are admitted next while budget, `max_num_seqs` and free KV blocks
+allow, starting after their prefix-cache hit. When a running sequence needs a block and none is
+free, the newest running sequence is preempted: its blocks are freed and it is recomputed later
+(its generated tokens are kept). The KV pool always holds one `max_model_len` sequence, so the
+oldest sequence always progresses and there is no deadlock.
+"""
+from collections import deque
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence):
+        self.waiting.append(seq)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """Return this step's (sequence, number of new tokens) pairs, running ones first."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, n):
+                preempted = True
+                self._preempt(self.running.pop())
+                if i == len(self.running):  # seq preempted itself
+                    break
+            else:
+                scheduled.append((seq, n))
+                budget -= n
+                i += 1
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.block_manager.find_cached_blocks(seq)
+            n = min(len(seq) - len(cached) * self.block_manager.block_size, budget)
+            if not self.block_manager.allocate_slots(seq, n, cached):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+        return scheduled
+
+    def _preempt(self, seq: Sequence):
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str):
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+        self.running.remove(seq)
+
+    def abort_all(self) -> list[Sequence]:
+        """Drop every unfinished sequence and free its blocks (after an interrupted generate)."""
+        seqs = self.running + list(self.waiting)
+        for seq in self.running:
+            self.block_manager.free(seq)
+        self.running, self.waiting = [], deque()
+        return seqs

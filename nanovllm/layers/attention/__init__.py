@@ -1,0 +1,46 @@
+"""Paged attention behind one narrow interface.
+
+A backend has `store_kvcache(k, v, k_cache, v_cache, slot_mapping)` and
+`forward(q, k_cache, v_cache, ctx, scale) -> o`; keys and values are always read back from
+the paged cache [num_blocks, block_size, num_kv_heads, head_dim], so prefix-cache hits,
+chunked prefill and decode are one code path.
+"""
+import importlib.util
+
+import torch
+from torch import nn
+
+from nanovllm.layers.attention.torch_backend import TorchBackend
+from nanovllm.utils.context import get_context
+
+BACKENDS = ("auto", "torch")
+
+
+def select_backend(name: str, device: torch.device):
+    """Return the backend class for `name` ("auto" picks the fastest available on `device`).
+    Raises ValueError for an unknown name."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    return TorchBackend
+
+
+class Attention(nn.Module):
+    """Causal attention over the paged KV cache for q: [T, num_heads * head_dim],
+    k, v: [T, num_kv_heads * head_dim]; returns [T, num_heads * head_dim].
+    The ModelRunner sets `k_cache`, `v_cache` and `backend` before the first step."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.scale = scale
+        self.k_cache = self.v_cache = torch.tensor([])
+        self.backend = TorchBackend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = get_context()
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        o = self.backend.forward(q, self.k_cache, self.v_cache, ctx, self.scale)
+        return o.view(-1, self.num_heads * self.head_dim)

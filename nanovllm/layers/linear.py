@@ -1,0 +1,108 @@
+"""Linear layers whose weights are sharded across tensor-parallel ranks (Megatron-LM layout).
+
+Column-parallel layers split the output features, row-parallel layers split the input
+features and all-reduce their partial sums. With one rank (no process group) they are
+plain linear layers. Each parameter carries a `weight_loader(param, loaded, shard_id)`
+that copies this rank's slice of a checkpoint tensor into it, so packed projections
+(q/k/v into one QKV, gate/up into one) are filled from separate checkpoint tensors.
+"""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def tp_rank_and_size() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class LinearBase(nn.Module):
+    """y = x W^T + b with W: [output_size, input_size]; `tp_dim` is the dim that is sharded (None: replicated)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp_dim = tp_dim
+        self.weight = nn.Parameter(torch.empty(output_size, input_size))
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size))
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
+        if self.tp_dim is not None and param.dim() > self.tp_dim and self.tp_size > 1:
+            size = param.size(self.tp_dim)
+            loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
+        _copy_checked(param.data, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor):
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, None)
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        _, tp_size = tp_rank_and_size()
+        super().__init__(input_size, output_size // tp_size, bias, 0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input packed along the output dim (gate_up_proj)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        loaded = loaded.chunk(self.tp_size, 0)[self.tp_rank]
+        _copy_checked(param.data.narrow(0, offset, size), loaded)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections packed as [q | k | v] along the output dim; KV heads are
+    replicated when there are fewer of them than ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        _, tp_size = tp_rank_and_size()
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp_size
+        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+        self.kv_replicas = max(1, tp_size // num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, out, bias)  # this rank's heads only
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
+        loaded = loaded.narrow(0, rank * size, size) if self.tp_size > 1 else loaded
+        _copy_checked(param.data.narrow(0, offset, size), loaded)
+
+
+class RowParallelLinear(LinearBase):
+    """Shards the input features; partial outputs are summed across ranks (bias added once)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        _, tp_size = tp_rank_and_size()
+        super().__init__(input_size // tp_size, output_size, bias, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
+        return y

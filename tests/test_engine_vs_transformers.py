@@ -1,0 +1,63 @@
+"""Greedy tokens of the engine equal transformers' on tiny random Qwen3, Qwen2 and Llama models."""
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from tests.conftest import hf_greedy, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+LENGTHS = [1, 7, 16, 17, 40, 95]
+
+
+def check_against_hf(llm, hf_model, prompts, max_tokens=12):
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.prompt_token_ids == prompt
+        assert out.token_ids == hf_greedy(hf_model, prompt, max_tokens)
+        assert out.finish_reason == "length"
+    assert llm.block_manager.num_free_blocks == llm.model_runner.num_kvcache_blocks
+    return outs
+
+
+def test_batch_of_mixed_lengths(tiny_model):
+    path, hf_model = tiny_model
+    llm = LLM(path, kvcache_block_size=16, device="cpu")
+    outs = check_against_hf(llm, hf_model, random_prompts(LENGTHS))
+    assert len({tuple(o.token_ids) for o in outs}) > 1  # the model is not degenerate
+
+
+def test_chunked_prefill(tiny_model):
+    path, hf_model = tiny_model
+    llm = LLM(path, kvcache_block_size=16, max_num_batched_tokens=24, device="cpu")
+    check_against_hf(llm, hf_model, random_prompts(LENGTHS, seed=1))
+
+
+def test_prefix_cache_hits(tiny_model):
+    path, hf_model = tiny_model
+    llm = LLM(path, kvcache_block_size=16, device="cpu")
+    shared = random_prompts([70], seed=2)[0]
+    tails = random_prompts([3, 9, 20], seed=3)
+    prompts = [shared + t for t in tails]
+    check_against_hf(llm, hf_model, prompts[:1])
+    outs = check_against_hf(llm, hf_model, prompts[1:])  # a second call: the shared prefix is cached
+    assert [o.num_cached_tokens for o in outs] == [64, 64]  # 4 full blocks of the 70-token prefix reused
+    again = check_against_hf(llm, hf_model, prompts[:1])
+    assert again[0].num_cached_tokens == 64
+
+
+def test_preemption(tiny_model):
+    path, hf_model = tiny_model
+    # 8 blocks of 16 tokens: each sequence needs up to 7 blocks, so running them together preempts
+    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=8, max_model_len=112, device="cpu")
+    check_against_hf(llm, hf_model, random_prompts([50, 45, 60, 30], seed=4), max_tokens=40)
+    assert llm.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_preemption_with_chunks_and_shared_prefixes(tiny_qwen3, prefix_caching):
+    path, hf_model = tiny_qwen3
+    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=9, max_model_len=128, max_num_batched_tokens=20,
+              enable_prefix_caching=prefix_caching, device="cpu")
+    shared = random_prompts([40], seed=5)[0]
+    prompts = [shared + t for t in random_prompts([5, 25, 1, 12], seed=6)]
+    check_against_hf(llm, hf_model, prompts, max_tokens=30)
+    assert llm.scheduler.num_preemptions > 0
