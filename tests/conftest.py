@@ -1,5 +1,11 @@
-import pytest
+import os
+
 import torch
+
+if not torch.cuda.is_available():  # run the Triton kernels in Triton's interpreter (set before triton imports)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 VOCAB = 320

@@ -1,6 +1,7 @@
 import time
 from dataclasses import dataclass
 
+from torch.profiler import record_function
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
@@ -60,6 +61,13 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
 
+    def add_requests(self, prompts, sampling_params=None) -> list[Sequence]:
+        """Validate every request, then queue them all (see generate for the arguments)."""
+        seqs = self._to_sequences(prompts, sampling_params)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return seqs
+
     def _to_sequences(self, prompts, sampling_params) -> list[Sequence]:
         """Validate every request before any work; ValueError names the request index and the problem."""
         if isinstance(prompts, str):
@@ -106,7 +114,8 @@ class LLMEngine:
 
     def step(self) -> tuple[list[Sequence], int, int]:
         """Schedule and run one step. Returns (sequences finished in it, prompt tokens run, tokens decoded)."""
-        scheduled = self.scheduler.schedule()
+        with record_function("scheduling"):
+            scheduled = self.scheduler.schedule()
         token_ids = self.model_runner.run(scheduled)
         finished, num_prefill, num_decode = [], 0, 0
         sampled = iter(token_ids)
@@ -139,9 +148,7 @@ class LLMEngine:
         one per prompt). Returns one RequestOutput per prompt, in input order. Raises ValueError,
         before any work, if any request is invalid. If interrupted, every request of this call is
         dropped and the engine is left clean for the next call."""
-        seqs = self._to_sequences(prompts, sampling_params)
-        for seq in seqs:
-            self.scheduler.add(seq)
+        seqs = self.add_requests(prompts, sampling_params)
         bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         start, prefill_tokens, decode_tokens = time.perf_counter(), 0, 0
         try:

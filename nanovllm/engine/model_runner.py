@@ -3,6 +3,7 @@ computes logits for the sampled rows only and samples them. Decode-only steps re
 import numpy as np
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
@@ -29,7 +30,7 @@ def _init_dummy_weights(model: nn.Module, std: float):
 class ModelRunner:
     def __init__(self, config: Config, source: ModelSource, max_model_len: int):
         self.config = config
-        hf_config = source.hf_config
+        self.hf_config = hf_config = source.hf_config
         self.device = config.torch_device
         self.dtype = config.torch_dtype(hf_config)
         self.block_size = config.kvcache_block_size
@@ -48,7 +49,7 @@ class ModelRunner:
         else:
             load_weights(self.model, source.weights())
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.backend = select_backend(config.attention_backend, self.device)
+        self.backend = select_backend(config.attention_backend, self.device, self.attn_layers[0].head_dim)
         for layer in self.attn_layers:
             layer.backend = self.backend
         self.sampler = Sampler(config.seed)
@@ -196,13 +197,16 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]]) -> list[int]:
         """Run one step; returns the sampled token of each sequence that reaches its end, in order."""
-        input_ids, positions, ctx, sample_rows, sample_seqs = self._prepare(scheduled)
-        hidden = self._forward(input_ids, positions, ctx)
-        reset_context()
+        with record_function("prepare_inputs"):
+            input_ids, positions, ctx, sample_rows, sample_seqs = self._prepare(scheduled)
+        with record_function("forward"):
+            hidden = self._forward(input_ids, positions, ctx)
+            reset_context()
         if not sample_seqs:
             return []
-        logits = self.model.compute_logits(hidden[sample_rows])
-        return self.sampler(logits, **self._prepare_sampling(sample_seqs)).tolist()
+        with record_function("sampling"):
+            logits = self.model.compute_logits(hidden[sample_rows])
+            return self.sampler(logits, **self._prepare_sampling(sample_seqs)).tolist()
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
         num_tokens = input_ids.size(0)

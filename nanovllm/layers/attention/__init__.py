@@ -13,14 +13,27 @@ from torch import nn
 from nanovllm.layers.attention.torch_backend import TorchBackend
 from nanovllm.utils.context import get_context
 
-BACKENDS = ("auto", "torch")
+BACKENDS = ("auto", "triton", "torch")
 
 
-def select_backend(name: str, device: torch.device):
-    """Return the backend class for `name` ("auto" picks the fastest available on `device`).
-    Raises ValueError for an unknown name."""
+def select_backend(name: str, device: torch.device, head_dim: int):
+    """Return the backend class for `name`; "auto" picks Triton on CUDA (when triton imports and
+    head_dim is a power of two >= 16) and torch otherwise. "triton" on CPU needs TRITON_INTERPRET=1.
+    Raises ValueError for an unknown or unusable backend."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    has_triton = importlib.util.find_spec("triton") is not None
+    auto = name == "auto"
+    if auto:
+        name = "triton" if device.type == "cuda" and has_triton else "torch"
+    if name == "triton":
+        if not has_triton:
+            raise ValueError("attention_backend='triton' needs the triton package")
+        from nanovllm.layers.attention.triton_backend import TritonBackend
+        if TritonBackend.supports(head_dim):
+            return TritonBackend
+        if not auto:
+            raise ValueError(f"the triton backend needs head_dim a power of two >= 16, got {head_dim}")
     return TorchBackend
 
 

@@ -1,0 +1,191 @@
+"""Throughput benchmark: nano-vllm's workload (see README), reported against the hardware floor.
+
+Default: 256 sequences, prompts of randint(100, 1024) random token ids, max_tokens randint(100, 1024),
+temperature 0.6, ignore_eos, on Qwen3-0.6B with random weights (the work done does not depend on
+the weight values). Throughput = output tokens / wall time of one generate call after a warm-up.
+
+The floor is the time the bytes that must move take at the measured device-to-device bandwidth
+(KV cache read by every decode step, KV written once, weights read once per decode step) plus the
+matmul FLOPs at the measured bf16 rate.
+"""
+import argparse
+import json
+import os
+import time
+from random import randint, seed
+
+import torch
+
+
+def measure_bandwidth(device) -> float:
+    """Bytes/s of a large device-to-device copy, counting bytes read plus bytes written."""
+    n = 1 << 30
+    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n / sorted(times)[len(times) // 2]
+
+
+def measure_matmul_flops(device) -> float:
+    """FLOP/s of an 8192^3 bf16 matrix product on random data."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 10 * 2 * 8192**3 / (time.perf_counter() - t)
+
+
+def workload(args):
+    seed(args.seed)
+    prompts = [[randint(0, 10000) for _ in range(randint(args.min_input_len, args.max_input_len))]
+               for _ in range(args.num_seqs)]
+    max_tokens = [randint(args.min_output_len, args.max_output_len) for _ in range(args.num_seqs)]
+    return prompts, max_tokens
+
+
+def floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, kv_itemsize, bandwidth, flops):
+    """Seconds the workload needs at least on this device (see the module docstring)."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    kv_per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * kv_itemsize
+    kv_read = sum(sum(len(p) + t for t in range(1, out)) for p, out in zip(prompts, max_tokens)) * kv_per_token
+    kv_written = sum(len(p) + out for p, out in zip(prompts, max_tokens)) * kv_per_token
+    weights = param_bytes * max(max_tokens)
+    tokens = sum(map(len, prompts)) + sum(max_tokens)
+    return (kv_read + kv_written + weights) / bandwidth + 2 * matmul_params * tokens / flops
+
+
+def run_nanovllm(args, prompts, max_tokens):
+    from nanovllm import LLM, SamplingParams
+    engine_args = dict(load_format=args.load_format, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
+                       kvcache_block_size=args.kvcache_block_size)
+    llm = LLM(args.model, **engine_args)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    if args.profile:
+        profile_steps(llm, prompts, params, args.profile)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=args.tqdm)
+    seconds = time.perf_counter() - t
+    assert [len(o.token_ids) for o in outputs] == max_tokens
+    runner = llm.model_runner
+    return seconds, runner.hf_config, runner.model, runner.dtype.itemsize, runner.num_kvcache_blocks
+
+
+def profile_steps(llm, prompts, params, out_dir):
+    """Chrome trace of a few prefill and decode steps of the workload (then the engine is reset)."""
+    from torch.profiler import ProfilerActivity, profile
+    os.makedirs(out_dir, exist_ok=True)
+    llm.add_requests(prompts, params)
+    for _ in range(40):  # reach the decode phase first
+        llm.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(6):
+            llm.step()
+        torch.cuda.synchronize()
+    llm.scheduler.abort_all()
+    path = os.path.join(out_dir, "trace.json")
+    prof.export_chrome_trace(path)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    print(f"profile: {path}")
+
+
+def run_transformers(args, prompts, max_tokens):
+    """The same workload through transformers' generate, batched as a plain user would: batches of
+    --hf-batch-size prompts, left-padded, sampling to the batch's largest max_tokens; only the
+    requested tokens of each sequence are counted."""
+    from transformers import AutoModelForCausalLM
+
+    from nanovllm.utils.source import resolve_model
+    config = resolve_model(args.model, args.load_format).hf_config
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    pad = 0
+
+    def batch_generate(batch, new_tokens):
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device="cuda")
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device="cuda")
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, do_sample=True, temperature=0.6, max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, pad_token_id=pad)
+
+    batch_generate([[1, 2, 3]], 8)  # warm-up
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for i in range(0, len(prompts), args.hf_batch_size):
+        batch_generate(prompts[i:i + args.hf_batch_size], max(max_tokens[i:i + args.hf_batch_size]))
+    torch.cuda.synchronize()
+    return time.perf_counter() - t, config, model, 2, None
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="Qwen/Qwen3-0.6B")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--engine", choices=["nanovllm", "transformers"], default="nanovllm")
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--min-input-len", type=int, default=100)
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--min-output-len", type=int, default=100)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--kvcache-block-size", type=int, default=256)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--hf-batch-size", type=int, default=64)
+    p.add_argument("--profile", metavar="DIR", help="write a torch profiler Chrome trace of a few steps to DIR")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--tqdm", action="store_true")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.py measures GPU throughput and needs a CUDA device")
+
+    prompts, max_tokens = workload(args)
+    bandwidth, flops = measure_bandwidth("cuda"), measure_matmul_flops("cuda")
+    run = run_nanovllm if args.engine == "nanovllm" else run_transformers
+    seconds, hf_config, model, kv_itemsize, num_blocks = run(args, prompts, max_tokens)
+    params = {id(t): t for t in model.parameters()}.values()
+    param_bytes = sum(t.numel() * t.element_size() for t in params)
+    matmul_params = sum(t.numel() for t in params if t.dim() == 2)  # embedding counted as the (tied) LM head
+    floor = floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, kv_itemsize, bandwidth, flops)
+    output_tokens = sum(max_tokens)
+    result = {
+        "engine": args.engine, "model": args.model, "device": torch.cuda.get_device_name(),
+        "num_seqs": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": output_tokens,
+        "seconds": round(seconds, 3), "tokens_per_s": round(output_tokens / seconds, 1),
+        "bandwidth_tb_s": round(bandwidth / 1e12, 3), "matmul_tflop_s": round(flops / 1e12, 1),
+        "floor_seconds": round(floor, 3), "floor_tokens_per_s": round(output_tokens / floor, 1),
+        "fraction_of_floor": round(floor / seconds, 3), "num_kvcache_blocks": num_blocks,
+    }
+    print(f"{result['engine']} on {result['device']}: {output_tokens} output tokens in {seconds:.2f} s = "
+          f"{result['tokens_per_s']:.0f} tok/s; floor {floor:.2f} s = {result['floor_tokens_per_s']:.0f} tok/s "
+          f"(bandwidth {bandwidth / 1e12:.2f} TB/s, matmul {flops / 1e12:.0f} TFLOP/s); "
+          f"fraction of floor {result['fraction_of_floor']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

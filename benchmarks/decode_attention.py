@@ -1,0 +1,40 @@
+"""Decode attention alone: batch x context on Qwen3-0.6B's heads, K/V bytes read over kernel time,
+as a fraction of the measured device-to-device copy bandwidth."""
+import argparse
+
+import torch
+from triton.testing import do_bench
+
+from bench import measure_bandwidth
+from nanovllm.layers.attention.triton_backend import decode_attention
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--num-heads", type=int, default=16)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[256, 16])
+    args = p.parse_args()
+    bandwidth = measure_bandwidth("cuda")
+    for block_size in args.block_sizes:
+        blocks_per_seq = -(-args.context // block_size)
+        num_blocks = args.batch * blocks_per_seq
+        shape = (num_blocks, block_size, args.num_kv_heads, args.head_dim)
+        k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(args.batch, blocks_per_seq)
+        lens = torch.full((args.batch,), args.context, dtype=torch.int32, device="cuda")
+        q = torch.randn(args.batch, args.num_heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
+        seconds = do_bench(lambda: decode_attention(q, k, v, lens, tables, args.head_dim ** -0.5),
+                           warmup=50, rep=300, return_mode="median") / 1e3
+        kv_bytes = 2 * args.batch * args.context * args.num_kv_heads * args.head_dim * 2
+        print(f"decode attention batch {args.batch} x context {args.context}, block_size {block_size}: "
+              f"{seconds * 1e6:.1f} us, {kv_bytes / seconds / 1e12:.2f} TB/s = "
+              f"{kv_bytes / seconds / bandwidth:.3f} of the copy bandwidth ({bandwidth / 1e12:.2f} TB/s)")
+
+
+if __name__ == "__main__":
+    main()

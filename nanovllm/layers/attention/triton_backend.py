@@ -1,0 +1,93 @@
+"""Our own paged-attention backend: the Triton kernels of triton_kernels.py behind the backend interface."""
+import functools
+
+import torch
+import triton
+
+from nanovllm.layers.attention.triton_kernels import (LOG2E, decode_attention_kernel, prefill_attention_kernel,
+                                                      reduce_splits_kernel, store_kvcache_kernel)
+from nanovllm.utils.context import Context
+
+PREFILL_BLOCK_M, PREFILL_BLOCK_N, DECODE_BLOCK_N = 64, 64, 64
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor):
+    """k, v: [T, num_kv_heads, head_dim] (each token's heads contiguous) into the caches at slot_mapping [T]; -1 skips."""
+    row = k.size(1) * k.size(2)
+    assert k.stride(1) == v.stride(1) == k.size(2) and k.stride(2) == v.stride(2) == 1
+    store_kvcache_kernel[(k.size(0),)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
+                                       ROW=row, BLOCK=triton.next_power_of_2(row))
+
+
+def _cache_strides(k_cache: torch.Tensor):
+    assert k_cache.stride(3) == 1
+    return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+
+
+def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale, out=None):
+    """Causal attention of the packed new tokens q: [T, num_heads, head_dim] (sequence i's at
+    cu_seqlens_q[i]:cu_seqlens_q[i+1], the last ones of its context_lens[i] tokens) over the paged cache."""
+    out = torch.empty_like(q) if out is None else out
+    num_heads, head_dim = q.size(1), q.size(2)
+    grid = (triton.cdiv(max_seqlen_q, PREFILL_BLOCK_M), num_heads, context_lens.size(0))
+    prefill_attention_kernel[grid](
+        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
+        GROUP=num_heads // k_cache.size(2), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.size(1),
+        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, num_warps=4, num_stages=2)
+    return out
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Splits of each context so that about 4 programs per SM run even at small batch (flash-decoding)."""
+    if device.type != "cuda":
+        return 1
+    programs = num_seqs * num_kv_heads
+    return min(64, triton.next_power_of_2(max(1, -(-4 * _num_sms(device.index or 0) // programs))))
+
+
+def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num_splits=None, out=None):
+    """Attention of one new token per sequence, q: [num_seqs, num_heads, head_dim], over its
+    context_lens[i] cached keys; context length 0 gives zeros (padding rows of CUDA graphs)."""
+    out = torch.empty_like(q) if out is None else out
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.size(2)
+    group = num_heads // num_kv_heads
+    splits = num_splits or decode_num_splits(num_seqs, num_kv_heads, q.device)
+    acc = ml = out  # unused when splits == 1
+    if splits > 1:
+        acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+    decode_attention_kernel[(num_seqs, num_kv_heads, splits)](
+        q, k_cache, v_cache, out, acc, ml, context_lens, block_tables, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.size(1),
+        BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=splits, num_warps=4, num_stages=2)
+    if splits > 1:
+        reduce_splits_kernel[(num_seqs, num_heads)](out, acc, ml, out.stride(0), out.stride(1),
+                                                    HEAD_DIM=head_dim, NUM_SPLITS=splits)
+    return out
+
+
+class TritonBackend:
+    name = "triton"
+    supports_cuda_graphs = True  # launch shapes depend only on the batch size
+
+    @staticmethod
+    def supports(head_dim: int) -> bool:
+        return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+    store_kvcache = staticmethod(store_kvcache)
+
+    @staticmethod
+    def forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, scale: float) -> torch.Tensor:
+        if ctx.is_decode:
+            return decode_attention(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale)
+        return prefill_attention(q, k_cache, v_cache, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables,
+                                 ctx.max_seqlen_q, scale)

@@ -1,0 +1,140 @@
+"""Paged-attention kernels in Triton.
+
+Cache layout (as flash-attn's paged KV): k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim];
+a sequence's token t lives in block block_table[t // block_size] at offset t % block_size. Kernels
+gather K/V rows token by token, so any block size works. Softmax uses the online rescaling of
+FlashAttention (Dao et al. 2022) in base 2: exp(x) = exp2(x * log2(e)).
+"""
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k, stride_v,
+                         ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per token: copy its ROW = num_kv_heads * head_dim values of k and v to its slot."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot < 0:
+        return
+    offs = tl.arange(0, BLOCK)
+    mask = offs < ROW
+    k = tl.load(k_ptr + t * stride_k + offs, mask=mask)
+    v = tl.load(v_ptr + t * stride_v + offs, mask=mask)
+    tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_n, in_range, valid, offs_d,
+                 scale_log2, BLOCK_SIZE: tl.constexpr, stride_kb, stride_kt, stride_kh):
+    """Fold one tile of keys (positions offs_n [N], loaded where in_range [N]; `valid` [M, N] says
+    which query may see which key) into the running (acc, m, l) of the queries q [M, D]."""
+    block = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    rows = block * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
+    k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k)) * scale_log2
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m - m_safe)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l
+
+
+@triton.jit
+def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_ptr, context_lens_ptr, block_tables_ptr,
+                             scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh,
+                             stride_bt, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid (q tiles, num_heads, num_seqs): causal attention of BLOCK_M new tokens of one sequence
+    and head over that sequence's cached keys (its earlier tokens and this step's)."""
+    pid_m, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    if pid_m * BLOCK_M >= q_len:
+        return
+    ctx_len = tl.load(context_lens_ptr + seq)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_pos = ctx_len - q_len + offs_m  # absolute positions of the queries
+    q = tl.load(q_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=(offs_m < q_len)[:, None], other=0.0)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    table_ptr = block_tables_ptr + seq * stride_bt
+    end = tl.minimum(ctx_len, ctx_len - q_len + (pid_m + 1) * BLOCK_M)
+    for n0 in range(0, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        in_range = offs_n < end
+        valid = (offs_n[None, :] <= q_pos[:, None]) & in_range[None, :]
+        acc, m, l = _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, table_ptr, head // GROUP, offs_n, in_range, valid,
+                                 offs_d, scale_log2, BLOCK_SIZE, stride_kb, stride_kt, stride_kh)
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(o_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
+
+
+@triton.jit
+def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, acc_ptr, ml_ptr, context_lens_ptr,
+                            block_tables_ptr, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb,
+                            stride_kt, stride_kh, stride_bt, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                            NUM_SPLITS: tl.constexpr):
+    """Grid (num_seqs, num_kv_heads, NUM_SPLITS): one query token per sequence (flash-decoding).
+    Each program reads one KV head's keys once for all GROUP query heads that share it, over its
+    share of the context. With one split it writes the output; otherwise it writes the partial
+    (acc [D], max, sum) per head and split for reduce_splits_kernel."""
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ctx_len = tl.load(context_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx_len)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=(offs_g < GROUP)[:, None], other=0.0)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    table_ptr = block_tables_ptr + seq * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        in_range = offs_n < end
+        valid = in_range[None, :] & (offs_g < GROUP)[:, None]
+        acc, m, l = _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_n, in_range, valid,
+                                 offs_d, scale_log2, BLOCK_SIZE, stride_kb, stride_kt, stride_kh)
+    head_mask = offs_g < GROUP
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(o_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=head_mask[:, None])
+    else:
+        num_heads = tl.num_programs(1) * GROUP
+        part = (seq * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G] rows of [num_seqs, num_heads, NUM_SPLITS]
+        tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=head_mask[:, None])
+        tl.store(ml_ptr + part * 2, m, mask=head_mask)
+        tl.store(ml_ptr + part * 2 + 1, l, mask=head_mask)
+
+
+@triton.jit
+def reduce_splits_kernel(o_ptr, acc_ptr, ml_ptr, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr):
+    """Grid (num_seqs, num_heads): merge the NUM_SPLITS partial softmaxes of one query head."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    m = tl.load(ml_ptr + part * 2)
+    l = tl.load(ml_ptr + part * 2 + 1)
+    m_max = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)))
+    total = tl.sum(l * w, 0)
+    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :])
+    o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(o_ptr + seq * stride_ot + head * stride_oh + tl.arange(0, HEAD_DIM), o.to(o_ptr.dtype.element_ty))
