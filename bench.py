@@ -79,6 +79,8 @@ def run_nanovllm(args, prompts, max_tokens):
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     if args.profile:
         profile_steps(llm, prompts, params, args.profile)
+    if args.step_stats:
+        step_stats(llm, prompts, params)
     torch.cuda.synchronize()
     t = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=args.tqdm)
@@ -104,6 +106,26 @@ def profile_steps(llm, prompts, params, out_dir):
     prof.export_chrome_trace(path)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
     print(f"profile: {path}")
+
+
+def step_stats(llm, prompts, params):
+    """Run the workload step by step and print where the wall time goes: prefill-carrying steps,
+    and decode steps grouped by batch size, with the KV bytes they read."""
+    llm.add_requests(prompts, params)
+    kv_per_token = llm.model_runner.kv_cache[:, :, 0, 0].numel() * llm.model_runner.dtype.itemsize
+    rows = {}
+    while not llm.scheduler.is_finished():
+        running = list(llm.scheduler.running)
+        t = time.perf_counter()
+        _, num_prefill, num_decode = llm.step()
+        dt = time.perf_counter() - t
+        key = "prefill" if num_prefill else f"decode bs {min(256, 32 * (1 + (num_decode - 1) // 32))}"
+        kv = sum(seq.num_computed_tokens for seq in running) * kv_per_token
+        r = rows.setdefault(key, [0, 0.0, 0])
+        r[0], r[1], r[2] = r[0] + 1, r[1] + dt, r[2] + kv
+    for key, (steps, seconds, kv) in sorted(rows.items()):
+        print(f"{key:>16}: {steps:5d} steps {seconds:7.3f} s {seconds / steps * 1e3:7.2f} ms/step "
+              f"KV read {kv / max(seconds, 1e-9) / 1e12:5.2f} TB/s")
 
 
 def run_transformers(args, prompts, max_tokens):
@@ -157,6 +179,7 @@ def main():
     p.add_argument("--profile", metavar="DIR", help="write a torch profiler Chrome trace of a few steps to DIR")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--tqdm", action="store_true")
+    p.add_argument("--step-stats", action="store_true", help="print time per step kind and batch size")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.py measures GPU throughput and needs a CUDA device")

@@ -17,7 +17,7 @@ class RotaryEmbedding(nn.Module):
 
     Inverse frequencies come from the config: theta^(-2i/d) by default, and transformers'
     ROPE_INIT_FUNCTIONS for scaled variants (llama3, linear, yarn, ...). cos/sin are cached
-    for positions [0, max_position) in float32.
+    for positions [0, max_position) in float32 and rounded to the model dtype when applied.
     forward(positions [T] int64, q [T, num_heads, head_dim], k [T, num_kv_heads, head_dim]) -> (q, k).
     """
 
@@ -39,10 +39,11 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, -1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+        x1, x2 = x.chunk(2, -1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
     @torch.compile(dynamic=True, disable=not torch.cuda.is_available())
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, -1)
+        # cos/sin rounded to the model dtype and applied in it, as transformers and vLLM do
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).to(q.dtype).chunk(2, -1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
