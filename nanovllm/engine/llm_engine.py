@@ -9,7 +9,6 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.models.registry import model_class
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.source import resolve_model
 
@@ -37,7 +36,6 @@ class LLMEngine:
         self.config = config = Config(model, **engine_args)
         source = resolve_model(model, config.load_format)
         hf_config = source.hf_config
-        model_class(hf_config)  # unsupported architectures fail before any weights are read
         max_pos = hf_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > max_pos:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
 
+from nanovllm.models.registry import model_class
+
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "models" / "configs"
 BUILTIN_CONFIGS = {p.stem: p for p in CONFIG_DIR.glob("*.json")}
@@ -31,7 +33,12 @@ def _builtin_name(model: str) -> str | None:
     return name if name in BUILTIN_CONFIGS else None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _load_tokenizer(path: str, **kwargs):
+    if "gguf_file" not in kwargs and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return None
     try:
         return AutoTokenizer.from_pretrained(path, **kwargs)
     except (OSError, ValueError):
@@ -72,6 +79,7 @@ def _gguf_source(file: str) -> ModelSource:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
     except Exception as e:
         raise ValueError(f"cannot read GGUF file {file}: {e}") from None
+    model_class(config)
 
     def weights():
         with torch.device("meta"):  # only the module names are needed to map GGUF tensors
@@ -107,6 +115,7 @@ def resolve_model(model: str, load_format: str = "auto") -> ModelSource:
         config = AutoConfig.from_pretrained(model)
     except Exception as e:
         raise ValueError(f"cannot read {os.path.join(model, 'config.json')}: {e}") from None
+    model_class(config)  # an unsupported architecture fails before weights are looked for
     tokenizer = _load_tokenizer(model)
     if load_format == "dummy":
         return ModelSource(config, tokenizer, None)

@@ -1,0 +1,117 @@
+"""Bad input gets a clear error before any work, and the same LLM serves the next valid call."""
+import json
+import os
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from tests.conftest import VOCAB, hf_greedy, random_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3):
+    return LLM(tiny_qwen3[0], kvcache_block_size=16, max_model_len=64, device="cpu")
+
+
+def still_works(llm, hf_model):
+    prompt = random_prompts([9], seed=11)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert out[0].token_ids == hf_greedy(hf_model, prompt, 5)
+    assert llm.block_manager.num_free_blocks == llm.model_runner.num_kvcache_blocks
+    assert llm.scheduler.is_finished()
+
+
+@pytest.mark.parametrize("prompts,params,message", [
+    ([[1, 2], []], None, "request 1: the prompt is empty"),
+    ([[1, VOCAB]], None, "outside the vocabulary"),
+    ([[-1, 3]], None, "outside the vocabulary"),
+    ([[1] * 65], None, "more than max_model_len=64"),
+    (["text"], None, "no tokenizer"),
+    ([[1], [2]], [SamplingParams()], "got 1 SamplingParams for 2 prompts"),
+    ([1, 2, 3], None, "list of strings or a list of token-id lists"),
+    ([[1], 5], None, "request 1: a prompt must be a string or a list of ints"),
+])
+def test_bad_prompts(llm, tiny_qwen3, prompts, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompts, params, use_tqdm=False)
+    still_works(llm, tiny_qwen3[1])
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(min_p=2.0), r"min_p must be in \[0, 1\]"),
+    (dict(top_k=-3), "top_k must be"),
+])
+def test_bad_sampling_params(llm, tiny_qwen3, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+    params = SamplingParams()
+    for k, v in kwargs.items():  # changed after construction: caught when submitted, naming the request
+        setattr(params, k, v)
+    with pytest.raises(ValueError, match="request 1: " + message):
+        llm.generate([[1, 2], [3, 4]], [SamplingParams(), params], use_tqdm=False)
+    still_works(llm, tiny_qwen3[1])
+
+
+def test_missing_and_non_model_paths(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(str(tmp_path / "nowhere"), device="cpu")
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        LLM(str(tmp_path), device="cpu")
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="not a .gguf model"):
+        LLM(str(tmp_path / "notes.txt"), device="cpu")
+    with pytest.raises(FileNotFoundError, match="builtin configs"):
+        LLM("no-such-model", load_format="dummy", device="cpu")
+
+
+def test_unsupported_architecture(tmp_path):
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 10, "n_embd": 8,
+              "n_layer": 1, "n_head": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel.*supported: Qwen3ForCausalLM"):
+        LLM(str(tmp_path), device="cpu")
+
+
+def test_offline_hub_id_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="could not be downloaded from the Hugging Face hub"):
+        LLM("nanovllm-tests/not-a-real-model", device="cpu")
+
+
+def test_bad_engine_arguments(tiny_qwen3):
+    path = tiny_qwen3[0]
+    for kwargs, message in [(dict(max_num_seqs=0), "max_num_seqs must be a positive integer"),
+                            (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+                            (dict(dtype="int8"), "dtype must be"),
+                            (dict(device="tpu"), "device must be"),
+                            (dict(load_format="pickle"), "load_format must be"),
+                            (dict(attention_backend="magic"), "attention_backend must be"),
+                            (dict(max_model_len=10**6), "exceeds the model's max_position_embeddings"),
+                            (dict(num_kvcache_blocks=2, kvcache_block_size=16), "raise num_kvcache_blocks")]:
+        with pytest.raises(ValueError, match=message):
+            LLM(path, **{"device": "cpu", **kwargs})
+    assert os.path.isdir(path)
+
+
+def test_stop_conditions(llm, tiny_qwen3):
+    prompt = random_prompts([6], seed=12)[0]
+    greedy = hf_greedy(tiny_qwen3[1], prompt, 8)
+    stop = greedy[3]
+    first = greedy.index(stop)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop]), use_tqdm=False)[0]
+    assert out.token_ids == greedy[:first + 1] and out.finish_reason == "stop"
+    llm.eos_token_ids.add(greedy[1])
+    try:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+        assert out.token_ids == greedy[:2] and out.finish_reason == "stop"
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+        assert out.token_ids == greedy and out.finish_reason == "length"
+    finally:
+        llm.eos_token_ids.discard(greedy[1])
+    long_prompt = random_prompts([60], seed=13)[0]  # max_model_len=64 cuts the completion at 4 tokens
+    out = llm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"

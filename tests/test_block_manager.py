@@ -1,0 +1,119 @@
+from collections import Counter
+
+import pytest
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+
+def seq(tokens, max_tokens=4):
+    return Sequence(list(tokens), SamplingParams(temperature=0, max_tokens=max_tokens))
+
+
+def check_invariants(bm: BlockManager, live: list[Sequence]):
+    holders = Counter(b for s in live for b in s.block_table)
+    for block in bm.blocks:
+        assert block.ref_count == holders.get(block.block_id, 0), block.block_id
+        assert (block.block_id in bm.free_block_ids) == (block.ref_count == 0)
+    for h, block_id in bm.hash_to_block_id.items():
+        assert bm.blocks[block_id].hash == h and bm.blocks[block_id].token_ids is not None
+
+
+def test_allocate_and_free_returns_every_block():
+    bm = BlockManager(10, 4)
+    a, b = seq(range(9)), seq(range(100, 103))
+    assert bm.allocate_slots(a, 9) and bm.allocate_slots(b, 3)
+    assert len(a.block_table) == 3 and len(b.block_table) == 1
+    check_invariants(bm, [a, b])
+    assert not bm.allocate_slots(seq(range(30)), 30)  # 8 blocks needed, 6 free: refused, nothing taken
+    assert bm.num_free_blocks == 6
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 10
+    check_invariants(bm, [])
+
+
+def test_shared_prefix_reuses_blocks_with_reference_counts():
+    bm = BlockManager(10, 4)
+    a = seq(list(range(10)))
+    bm.allocate_slots(a, 10)
+    a.num_computed_tokens = 10
+    bm.cache_full_blocks(a)  # blocks 0..1 full
+    b = seq(list(range(8)) + [50, 51, 52])
+    hits = bm.find_cached_blocks(b)
+    assert hits == a.block_table[:2]
+    assert bm.allocate_slots(b, 3, hits)
+    assert b.num_computed_tokens == b.num_cached_tokens == 8
+    assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
+    check_invariants(bm, [a, b])
+    bm.free(a)
+    check_invariants(bm, [b])
+    bm.free(b)
+    assert bm.num_free_blocks == 10
+    # freed blocks keep their hash until reused: a third prompt still hits them
+    c = seq(list(range(8)) + [7])
+    assert bm.find_cached_blocks(c) == hits
+    check_invariants(bm, [])
+
+
+def test_exact_block_multiple_prompt_keeps_one_token_to_compute():
+    bm = BlockManager(10, 4)
+    a = seq(list(range(8)))
+    bm.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    bm.cache_full_blocks(a)
+    b = seq(list(range(8)))
+    assert len(bm.find_cached_blocks(b)) == 1  # the last block would leave nothing to run
+
+
+def test_hash_collision_is_rejected_by_the_token_check(monkeypatch):
+    monkeypatch.setattr(BlockManager, "compute_hash", staticmethod(lambda tokens, prefix=-1: 1234))
+    bm = BlockManager(10, 4)
+    a = seq(list(range(9)))
+    bm.allocate_slots(a, 9)
+    a.num_computed_tokens = 9
+    bm.cache_full_blocks(a)
+    assert bm.find_cached_blocks(seq([9, 9, 9, 9, 1])) == []  # same hash, other tokens
+    assert bm.find_cached_blocks(seq([0, 1, 2, 3, 1])) == a.block_table[:1]
+
+
+def test_eviction_reuses_freed_blocks_and_drops_their_hashes():
+    bm = BlockManager(4, 4)
+    a = seq(list(range(16)))
+    bm.allocate_slots(a, 16)
+    a.num_computed_tokens = 16
+    bm.cache_full_blocks(a)
+    bm.free(a)
+    b = seq(list(range(100, 116)))
+    assert bm.find_cached_blocks(b) == []
+    assert bm.allocate_slots(b, 16)  # takes all four, evicting a's cache entries
+    assert bm.hash_to_block_id == {}
+    check_invariants(bm, [b])
+
+
+@pytest.mark.parametrize("num_blocks,budget", [(6, 8), (20, 64), (5, 3)])
+def test_scheduler_runs_everything_within_budget_and_frees_all(num_blocks, budget):
+    bm = BlockManager(num_blocks, 4)
+    sched = Scheduler(max_num_seqs=3, max_num_batched_tokens=budget, block_manager=bm)
+    seqs = [seq(range(i, i + n), max_tokens=m) for i, (n, m) in enumerate([(7, 5), (3, 9), (12, 2), (5, 6), (1, 4)])]
+    for s in seqs:
+        sched.add(s)
+    steps = 0
+    while not sched.is_finished():
+        scheduled = sched.schedule()
+        assert scheduled and sum(n for _, n in scheduled) <= budget and len(sched.running) <= 3
+        for s, n in scheduled:
+            s.num_computed_tokens += n
+            assert len(s.block_table) * 4 >= s.num_computed_tokens
+            bm.cache_full_blocks(s)
+            if s.num_computed_tokens == len(s):
+                s.append_token(7)
+                if s.num_completion_tokens == s.sampling_params.max_tokens:
+                    sched.finish(s, "length")
+        check_invariants(bm, sched.running)
+        steps += 1
+        assert steps < 500
+    assert all(s.num_completion_tokens == s.sampling_params.max_tokens for s in seqs)
+    assert bm.num_free_blocks == num_blocks
