@@ -114,7 +114,7 @@ def step_stats(llm, prompts, params):
     llm.add_requests(prompts, params)
     kv_per_token = llm.model_runner.kv_cache[:, :, 0, 0].numel() * llm.model_runner.dtype.itemsize
     rows = {}
-    while not llm.scheduler.is_finished():
+    while llm.has_unfinished_requests():
         running = list(llm.scheduler.running)
         t = time.perf_counter()
         _, num_prefill, num_decode = llm.step()

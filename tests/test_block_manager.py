@@ -40,7 +40,7 @@ def test_shared_prefix_reuses_blocks_with_reference_counts():
     a = seq(list(range(10)))
     bm.allocate_slots(a, 10)
     a.num_computed_tokens = 10
-    bm.cache_full_blocks(a)  # blocks 0..1 full
+    bm.cache_full_blocks(a, len(a))  # blocks 0..1 full
     b = seq(list(range(8)) + [50, 51, 52])
     hits = bm.find_cached_blocks(b)
     assert hits == a.block_table[:2]
@@ -63,7 +63,7 @@ def test_exact_block_multiple_prompt_keeps_one_token_to_compute():
     a = seq(list(range(8)))
     bm.allocate_slots(a, 8)
     a.num_computed_tokens = 8
-    bm.cache_full_blocks(a)
+    bm.cache_full_blocks(a, len(a))
     b = seq(list(range(8)))
     assert len(bm.find_cached_blocks(b)) == 1  # the last block would leave nothing to run
 
@@ -74,7 +74,7 @@ def test_hash_collision_is_rejected_by_the_token_check(monkeypatch):
     a = seq(list(range(9)))
     bm.allocate_slots(a, 9)
     a.num_computed_tokens = 9
-    bm.cache_full_blocks(a)
+    bm.cache_full_blocks(a, len(a))
     assert bm.find_cached_blocks(seq([9, 9, 9, 9, 1])) == []  # same hash, other tokens
     assert bm.find_cached_blocks(seq([0, 1, 2, 3, 1])) == a.block_table[:1]
 
@@ -84,7 +84,7 @@ def test_eviction_reuses_freed_blocks_and_drops_their_hashes():
     a = seq(list(range(16)))
     bm.allocate_slots(a, 16)
     a.num_computed_tokens = 16
-    bm.cache_full_blocks(a)
+    bm.cache_full_blocks(a, len(a))
     bm.free(a)
     b = seq(list(range(100, 116)))
     assert bm.find_cached_blocks(b) == []
@@ -107,7 +107,7 @@ def test_scheduler_runs_everything_within_budget_and_frees_all(num_blocks, budge
         for s, n in scheduled:
             s.num_computed_tokens += n
             assert len(s.block_table) * 4 >= s.num_computed_tokens
-            bm.cache_full_blocks(s)
+            bm.cache_full_blocks(s, len(s))
             if s.num_computed_tokens == len(s):
                 s.append_token(7)
                 if s.num_completion_tokens == s.sampling_params.max_tokens:

@@ -85,3 +85,21 @@ def test_temperature_shapes_the_distribution():
         counts = torch.bincount(sampler(x, torch.full((20000,), t)), minlength=4).float() / 20000
         expected = (x[0] / t).softmax(-1)
         assert (counts - expected).abs().max() < 0.015, (t, counts, expected)
+
+
+def test_gumbel_max_kernel_samples_the_softmax():
+    """The one-pass Triton sampler (Triton's interpreter without CUDA) draws from softmax(x / T)
+    and takes the argmax where T == 0."""
+    pytest.importorskip("triton")
+    from nanovllm.layers.sampling_kernel import gumbel_max_sample
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n = 600 if device == "cpu" else 100000  # the interpreter runs one program per row
+    row = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5])
+    x = row.repeat(n, 1).to(device)
+    seeds = torch.randint(0, 2**31 - 1, (n,), dtype=torch.int32).to(device)
+    for t in (0.5, 1.0, 2.0):
+        counts = torch.bincount(gumbel_max_sample(x, torch.full((n,), t, device=device), seeds).cpu(), minlength=5)
+        expected = (row / t).softmax(-1)
+        assert (counts.float() / n - expected).abs().max() < 4 * (0.25 / n) ** 0.5, (t, counts)
+    ties = torch.tensor([[1.0, 3.0, 3.0, 0.0]], device=device)
+    assert gumbel_max_sample(ties, torch.zeros(1, device=device), seeds[:1]).item() == 1

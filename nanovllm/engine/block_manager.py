@@ -93,18 +93,20 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
-    def cache_full_blocks(self, seq: Sequence):
-        """Register in the prefix cache every block of `seq` that is now full of computed tokens."""
+    def cache_full_blocks(self, seq: Sequence, num_known_tokens: int):
+        """Register in the prefix cache every block of `seq` full of computed tokens among the
+        first `num_known_tokens` (the ones whose values are on the host)."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // bs):
+        num_full = min(seq.num_computed_tokens, num_known_tokens) // bs
+        for i in range(seq.num_hashed_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
             block.token_ids = seq.token_ids[i * bs:(i + 1) * bs]
             block.hash = self.compute_hash(block.token_ids, prefix_hash)
             self.hash_to_block_id.setdefault(block.hash, block.block_id)
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, seq.num_computed_tokens // bs)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
 
     def free(self, seq: Sequence):
         """Drop `seq`'s references; blocks no one holds go to the free list, tail blocks first so

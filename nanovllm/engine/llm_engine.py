@@ -1,6 +1,7 @@
 import time
 from dataclasses import dataclass
 
+import torch
 from torch.profiler import record_function
 from tqdm.auto import tqdm
 
@@ -8,9 +9,17 @@ from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.source import resolve_model
+
+
+@dataclass
+class _Inflight:
+    seqs: list[Sequence]  # the sequences that sample in the step, in row order
+    positions: list[int]  # where each one's PLACEHOLDER sits
+    tokens: torch.Tensor  # host tensor the sampled ids are copied into
+    event: object  # CUDA event after the copy, or None on CPU
 
 
 @dataclass
@@ -48,6 +57,8 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)
+        self._inflight: _Inflight | None = None  # the launched step whose tokens are not read yet
+        self._last_sampled = None  # its sampled tokens on the device
 
     @staticmethod
     def _eos_token_ids(hf_config, tokenizer) -> set[int]:
@@ -110,36 +121,74 @@ class LLMEngine:
 
     # ---- stepping ----------------------------------------------------------------------------
 
+    def has_unfinished_requests(self) -> bool:
+        return not self.scheduler.is_finished() or self._inflight is not None
+
     def step(self) -> tuple[list[Sequence], int, int]:
-        """Schedule and run one step. Returns (sequences finished in it, prompt tokens run, tokens decoded)."""
+        """Schedule and launch one step, then finish the previous one.
+
+        Steps overlap (as vLLM's async scheduling): the step launched here runs on the GPU while
+        the host reads the previous step's sampled tokens, checks stop conditions and schedules
+        the next step. A token that is sampled but not yet read sits in its sequence as
+        PLACEHOLDER and the next step takes its value straight from the GPU. A sequence that
+        stopped is found one step late; the one extra token computed for it is dropped.
+        Returns (sequences finished, prompt tokens launched, tokens decoded).
+        """
         with record_function("scheduling"):
             scheduled = self.scheduler.schedule()
-        token_ids = self.model_runner.run(scheduled)
-        finished, num_prefill, num_decode = [], 0, 0
-        sampled = iter(token_ids)
-        for seq, n in scheduled:
-            was_prefill = seq.num_computed_tokens < seq.num_prompt_tokens
-            num_prefill += n if was_prefill else 0
-            num_decode += 0 if was_prefill else 1
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens < len(seq):
-                self.block_manager.cache_full_blocks(seq)
-                continue  # mid-prefill: nothing sampled
-            self.block_manager.cache_full_blocks(seq)
-            seq.append_token(next(sampled))
-            reason = self._finish_reason(seq)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                finished.append(seq)
+        num_prefill = num_decode = 0
+        launched = None
+        if scheduled:
+            sampled = self.model_runner.run(scheduled, self._last_sampled)
+            launched = self._after_launch(scheduled, sampled)
+            for seq, n in scheduled:
+                is_prefill = seq.num_computed_tokens - n < seq.num_prompt_tokens
+                num_prefill += n if is_prefill else 0
+                num_decode += 0 if is_prefill else 1
+        finished = self._process(self._inflight) if self._inflight else []
+        self._inflight = launched
         return finished, num_prefill, num_decode
 
-    def _finish_reason(self, seq: Sequence) -> str | None:
-        sp, token = seq.sampling_params, seq.token_ids[-1]
-        if (not sp.ignore_eos and token in self.eos_token_ids) or (sp.stop_token_ids and token in sp.stop_token_ids):
-            return "stop"
-        if seq.num_completion_tokens >= sp.max_tokens or len(seq) >= self.max_model_len:
-            return "length"
-        return None
+    def _after_launch(self, scheduled, sampled) -> _Inflight | None:
+        """Advance the bookkeeping of a launched step: computed tokens, one PLACEHOLDER per sampled
+        sequence, and the end of sequences that reach max_tokens or max_model_len whatever they sample."""
+        seqs = []
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == len(seq):
+                seqs.append(seq)
+        self._last_sampled = sampled
+        if not seqs:
+            return None
+        positions = []
+        for row, seq in enumerate(seqs):
+            positions.append(len(seq))
+            seq.append_token(PLACEHOLDER)
+            seq.pending_row = row
+            if seq.num_completion_tokens >= seq.sampling_params.max_tokens or len(seq) >= self.max_model_len:
+                self.scheduler.finish(seq, "length")  # its blocks are reused only by later, stream-ordered steps
+        return _Inflight(seqs, positions, *self.model_runner.to_host(sampled))
+
+    def _process(self, step: _Inflight) -> list[Sequence]:
+        """Read a launched step's sampled tokens, put them in place and finish stopped sequences."""
+        if step.event is not None:
+            step.event.synchronize()
+        finished = []
+        for seq, pos, token in zip(step.seqs, step.positions, step.tokens.tolist()):
+            if pos >= len(seq):
+                continue  # the sequence stopped at an earlier token; this one was extra
+            seq.token_ids[pos] = token
+            if seq.pending_row is not None and pos == len(seq) - 1:
+                seq.pending_row = None
+            sp = seq.sampling_params
+            if (not sp.ignore_eos and token in self.eos_token_ids) or (sp.stop_token_ids and token in sp.stop_token_ids):
+                del seq.token_ids[pos + 1:]
+                self.scheduler.finish(seq, "stop")
+            if seq.is_finished:
+                finished.append(seq)
+            else:
+                self.block_manager.cache_full_blocks(seq, pos + 1)
+        return finished
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete every prompt (strings or token-id lists) with its SamplingParams (one for all, or
@@ -150,7 +199,7 @@ class LLMEngine:
         bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         start, prefill_tokens, decode_tokens = time.perf_counter(), 0, 0
         try:
-            while not self.scheduler.is_finished():
+            while self.has_unfinished_requests():
                 finished, num_prefill, num_decode = self.step()
                 prefill_tokens += num_prefill
                 decode_tokens += num_decode
@@ -158,7 +207,9 @@ class LLMEngine:
                 bar.set_postfix(prefill=f"{prefill_tokens / elapsed:.0f}tok/s", decode=f"{decode_tokens / elapsed:.0f}tok/s")
                 bar.update(len(finished))
         except BaseException:
+            self.model_runner.synchronize()
             self.scheduler.abort_all()
+            self._inflight = self._last_sampled = None
             raise
         finally:
             bar.close()

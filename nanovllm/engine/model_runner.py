@@ -135,10 +135,11 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------
 
-    def _prepare(self, scheduled: list[tuple[Sequence, int]]):
+    def _prepare(self, scheduled: list[tuple[Sequence, int]], prev_sampled: torch.Tensor | None):
         """Pack the step's new tokens: input_ids, positions and the attention Context (see Context),
         plus the rows whose logits are sampled (the last new token of each sequence that reaches
-        its end this step). Index math is vectorised over tokens."""
+        its end this step). A PLACEHOLDER token takes its value from prev_sampled, the previous
+        step's sampled tokens on the device. Index math is vectorised over tokens."""
         bs = self.block_size
         num_seqs = len(scheduled)
         starts = np.fromiter((seq.num_computed_tokens for seq, _ in scheduled), np.int64, num_seqs)
@@ -148,11 +149,13 @@ class ModelRunner:
         context_lens = starts + counts
         width = int(-(-context_lens.max() // bs))
         block_tables = np.full((num_seqs, width), -1, np.int64)
-        input_ids = []
+        input_ids, pending = [], []  # pending: (token index, row of the previous step's sampled tokens)
         for i, (seq, n) in enumerate(scheduled):
             table = seq.block_table[:width]
             block_tables[i, :len(table)] = table
             input_ids.extend(seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n])
+            if seq.pending_row is not None:
+                pending.append((len(input_ids) - 1, seq.pending_row))
         seq_of_token = np.repeat(np.arange(num_seqs), counts)
         positions = np.arange(cu_q[-1]) - cu_q[seq_of_token] + starts[seq_of_token]
         slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
@@ -166,8 +169,11 @@ class ModelRunner:
                       max_seqlen_q=int(counts.max()), context_lens=dev(context_lens, torch.int32),
                       max_seqlen_k=int(context_lens.max()), slot_mapping=dev(slot_mapping, torch.int64),
                       block_tables=dev(block_tables, torch.int32))
-        return (torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True),
-                dev(positions, torch.int64), ctx, dev(sample_rows, torch.int64), [seq for _, seq in samples])
+        input_ids = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        if pending:  # tokens sampled by the previous step, still on the device
+            index, rows = torch.tensor(pending, dtype=torch.int64).to(self.device, non_blocking=True).unbind(1)
+            input_ids[index] = prev_sampled[rows]
+        return input_ids, dev(positions, torch.int64), ctx, dev(sample_rows, torch.int64), [seq for _, seq in samples]
 
     def _prepare_sampling(self, seqs: list[Sequence]) -> dict:
         params = [seq.sampling_params for seq in seqs]
@@ -195,18 +201,33 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> list[int]:
-        """Run one step; returns the sampled token of each sequence that reaches its end, in order."""
+    def run(self, scheduled: list[tuple[Sequence, int]], prev_sampled: torch.Tensor | None = None):
+        """Launch one step without waiting for it. Returns the sampled tokens (int64, on the device)
+        of the sequences that reach their end this step, in scheduled order, or None if none does."""
         with record_function("prepare_inputs"):
-            input_ids, positions, ctx, sample_rows, sample_seqs = self._prepare(scheduled)
+            input_ids, positions, ctx, sample_rows, sample_seqs = self._prepare(scheduled, prev_sampled)
         with record_function("forward"):
             hidden = self._forward(input_ids, positions, ctx)
             reset_context()
         if not sample_seqs:
-            return []
+            return None
         with record_function("sampling"):
             logits = self.model.compute_logits(hidden[sample_rows])
-            return self.sampler(logits, **self._prepare_sampling(sample_seqs)).tolist()
+            return self.sampler(logits, **self._prepare_sampling(sample_seqs))
+
+    def to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Start copying `tokens` to the host; returns (host tensor, CUDA event to wait on, or None)."""
+        if self.device.type != "cuda":
+            return tokens, None
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def synchronize(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
         num_tokens = input_ids.size(0)

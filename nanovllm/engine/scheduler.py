@@ -68,10 +68,14 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str):
+        """End `seq` (running, or waiting after a preemption) and free its blocks."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.block_manager.free(seq)
-        self.running.remove(seq)
 
     def abort_all(self) -> list[Sequence]:
         """Drop every unfinished sequence and free its blocks (after an interrupted generate)."""

@@ -4,6 +4,9 @@ from itertools import count
 from nanovllm.sampling_params import SamplingParams
 
 
+PLACEHOLDER = -1  # a sampled token whose value is still on the GPU
+
+
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
@@ -29,6 +32,7 @@ class Sequence:
         self.num_hashed_blocks = 0  # leading blocks of block_table registered in the prefix cache
         self.sampling_params = sampling_params
         self.finish_reason: str | None = None
+        self.pending_row: int | None = None  # row of the PLACEHOLDER last token in the last step's sampled tokens
 
     def __len__(self):
         return len(self.token_ids)

@@ -8,7 +8,8 @@ class Sampler(nn.Module):
     forward(logits [N, vocab] float32, temperatures [N] or None (all greedy), top_k [N] int or None, top_p [N] or None,
     min_p [N] or None, generators: {row: torch.Generator} for rows with a per-request seed) -> [N] int64.
 
-    Rows with temperature 0 take the argmax. The others are scaled by 1/temperature, then filtered
+    Rows with temperature 0 take the argmax. On CUDA, a batch with no filters and no per-request
+    seeds is sampled in one pass by the Gumbel-max kernel (sampling_kernel.py), the same distribution. The others are scaled by 1/temperature, then filtered
     in vLLM's order of meaning: min_p (drop tokens below min_p * the top probability), top_k (keep
     the k largest; k <= 0 keeps all), top_p (keep the smallest set whose mass reaches top_p, the top
     token always kept). Sampling uses the exponential race argmax(p / E), E ~ Exp(1), which draws
@@ -22,9 +23,14 @@ class Sampler(nn.Module):
         self.generator: torch.Generator | None = None
 
     def forward(self, logits, temperatures=None, top_k=None, top_p=None, min_p=None, generators=None):
-        greedy = logits.argmax(-1)
         if temperatures is None:  # every row is greedy
-            return greedy
+            return logits.argmax(-1)
+        if logits.is_cuda and top_k is None and top_p is None and min_p is None and not generators:
+            from nanovllm.layers.sampling_kernel import gumbel_max_sample
+            gen = self._default_generator(logits.device)
+            seeds = torch.randint(0, 2**31 - 1, (logits.size(0),), dtype=torch.int32, device=logits.device, generator=gen)
+            return gumbel_max_sample(logits, temperatures, seeds)
+        greedy = logits.argmax(-1)
         logits = logits / temperatures.clamp_min(1e-5).unsqueeze(1)
         if min_p is not None:
             probs = logits.softmax(-1)
