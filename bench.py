@@ -101,7 +101,7 @@ def profile_steps(llm, prompts, params, out_dir):
         for _ in range(6):
             llm.step()
         torch.cuda.synchronize()
-    llm.scheduler.abort_all()
+    llm.abort_all_requests()
     path = os.path.join(out_dir, "trace.json")
     prof.export_chrome_trace(path)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))

@@ -7,6 +7,15 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 NUM_TOKENS = 16
+# Random weights give near-ties (logits ~2.7 apart by ~0.01), where two correct bf16
+# implementations may pick differently. A token counts as greedy when its logit (transformers,
+# same prefix) is within this many bf16 units in the last place of the top logit.
+BF16_TIE_ULPS = 4
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """Spacing of bfloat16 numbers at |x| (8 significant bits)."""
+    return torch.exp2(torch.floor(torch.log2(x.abs())) - 7)
 
 
 @pytest.fixture(scope="module")
@@ -55,15 +64,15 @@ def test_greedy_matches_transformers(qwen3_06b, engine_args):
     outs = llm.generate(ps[-2:], params, use_tqdm=False)  # the shared prefix is cached now ...
     assert all(o.num_cached_tokens > 0 for o in outs)
     outs = llm.generate(ps, params, use_tqdm=False)  # ... and a mixed batch with hits
+    exact = 0
     for i, (p, o) in enumerate(zip(ps, outs)):
-        ref = hf_greedy(hf_model, p)
-        if o.token_ids == ref:
-            print(f"seq {i}: all {NUM_TOKENS} tokens equal")
-            continue
-        j = next(j for j, (a, b) in enumerate(zip(o.token_ids, ref)) if a != b)
+        exact += o.token_ids == hf_greedy(hf_model, p)
+        # every token must be transformers' greedy choice given the same prefix, up to bf16 noise
         with torch.no_grad():
-            logits = hf_model(torch.tensor([p + o.token_ids[:j]], device="cuda")).logits[0, -1].float()
-        top = logits.topk(3)
-        print(f"seq {i}: diverges at {j}: ours {o.token_ids[j]} logit {logits[o.token_ids[j]]:.4f}, "
-              f"hf top3 {top.indices.tolist()} {top.values.tolist()}, max|logit| {logits.abs().max():.3f}")
+            logits = hf_model(torch.tensor([p + o.token_ids], device="cuda")).logits[0, len(p) - 1:-1].float()
+        top = logits.max(-1).values
+        ours = logits.gather(1, torch.tensor(o.token_ids, device="cuda")[:, None])[:, 0]
+        assert ((top - ours) <= BF16_TIE_ULPS * bf16_ulp(top)).all(), (i, (top - ours).tolist())
+    print(f"{engine_args}: {exact}/{len(ps)} sequences equal transformers' generate token for token")
+    assert exact >= len(ps) // 2
     assert llm.block_manager.num_free_blocks == llm.model_runner.num_kvcache_blocks

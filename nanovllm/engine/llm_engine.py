@@ -9,7 +9,7 @@ from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.source import resolve_model
 
@@ -121,6 +121,13 @@ class LLMEngine:
 
     # ---- stepping ----------------------------------------------------------------------------
 
+    def abort_all_requests(self):
+        """Drop every unfinished request, freeing its KV blocks (finish_reason "abort")."""
+        self.model_runner.synchronize()
+        for seq in self.scheduler.abort_all():
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        self._inflight = self._last_sampled = None
+
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished() or self._inflight is not None
 
@@ -186,7 +193,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, "stop")
             if seq.is_finished:
                 finished.append(seq)
-            else:
+            elif seq.status == SequenceStatus.RUNNING:
                 self.block_manager.cache_full_blocks(seq, pos + 1)
         return finished
 
@@ -207,9 +214,7 @@ class LLMEngine:
                 bar.set_postfix(prefill=f"{prefill_tokens / elapsed:.0f}tok/s", decode=f"{decode_tokens / elapsed:.0f}tok/s")
                 bar.update(len(finished))
         except BaseException:
-            self.model_runner.synchronize()
-            self.scheduler.abort_all()
-            self._inflight = self._last_sampled = None
+            self.abort_all_requests()
             raise
         finally:
             bar.close()

@@ -5,7 +5,7 @@ from torch import nn
 class Sampler(nn.Module):
     """Picks one token per row of logits in a single batched pass (no per-row host work).
 
-    forward(logits [N, vocab] float32, temperatures [N] or None (all greedy), top_k [N] int or None, top_p [N] or None,
+    forward(logits [N, vocab] (float32 or the model dtype), temperatures [N] or None (all greedy), top_k [N] int or None, top_p [N] or None,
     min_p [N] or None, generators: {row: torch.Generator} for rows with a per-request seed) -> [N] int64.
 
     Rows with temperature 0 take the argmax. On CUDA, a batch with no filters and no per-request
@@ -30,6 +30,7 @@ class Sampler(nn.Module):
             gen = self._default_generator(logits.device)
             seeds = torch.randint(0, 2**31 - 1, (logits.size(0),), dtype=torch.int32, device=logits.device, generator=gen)
             return gumbel_max_sample(logits, temperatures, seeds)
+        logits = logits.float()
         greedy = logits.argmax(-1)
         logits = logits / temperatures.clamp_min(1e-5).unsqueeze(1)
         if min_p is not None:

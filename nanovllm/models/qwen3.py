@@ -88,7 +88,7 @@ class DecoderModel(nn.Module):
 
 class Qwen3ForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T]) -> hidden [T, hidden_size];
-    compute_logits(hidden [N, hidden_size]) -> [N, vocab_size] float32."""
+    compute_logits(hidden [N, hidden_size]) -> [N, vocab_size] in the model dtype."""
     qkv_bias = False
     qk_norm = True
     # checkpoint name fragment -> (packed parameter fragment, shard id)
@@ -109,5 +109,4 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
-        return logits.float() if logits is not None else None
+        return self.lm_head(hidden)
