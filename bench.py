@@ -78,7 +78,7 @@ def run_nanovllm(args, prompts, max_tokens):
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     if args.profile:
-        profile_steps(llm, prompts, params, args.profile)
+        profile_steps(llm, prompts, params, args.profile, args.profile_skip)
     if args.step_stats:
         step_stats(llm, prompts, params)
     torch.cuda.synchronize()
@@ -90,12 +90,12 @@ def run_nanovllm(args, prompts, max_tokens):
     return seconds, runner.hf_config, runner.model, runner.dtype.itemsize, runner.num_kvcache_blocks
 
 
-def profile_steps(llm, prompts, params, out_dir):
-    """Chrome trace of a few prefill and decode steps of the workload (then the engine is reset)."""
+def profile_steps(llm, prompts, params, out_dir, skip):
+    """Chrome trace of 6 steps of the workload after `skip` steps (then the engine is reset)."""
     from torch.profiler import ProfilerActivity, profile
     os.makedirs(out_dir, exist_ok=True)
     llm.add_requests(prompts, params)
-    for _ in range(40):  # reach the decode phase first
+    for _ in range(skip):
         llm.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(6):
@@ -177,6 +177,7 @@ def main():
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--profile", metavar="DIR", help="write a torch profiler Chrome trace of a few steps to DIR")
+    p.add_argument("--profile-skip", type=int, default=40, help="steps run before the profiled ones")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--tqdm", action="store_true")
     p.add_argument("--step-stats", action="store_true", help="print time per step kind and batch size")

@@ -25,17 +25,18 @@ def _cache_strides(k_cache: torch.Tensor):
     return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
 
 
-def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale, out=None):
+def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale, out=None,
+                      block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, num_warps=4, num_stages=2):
     """Causal attention of the packed new tokens q: [T, num_heads, head_dim] (sequence i's at
     cu_seqlens_q[i]:cu_seqlens_q[i+1], the last ones of its context_lens[i] tokens) over the paged cache."""
     out = torch.empty_like(q) if out is None else out
     num_heads, head_dim = q.size(1), q.size(2)
-    grid = (triton.cdiv(max_seqlen_q, PREFILL_BLOCK_M), num_heads, context_lens.size(0))
+    grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, context_lens.size(0))
     prefill_attention_kernel[grid](
         q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
         GROUP=num_heads // k_cache.size(2), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.size(1),
-        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, num_warps=4, num_stages=2)
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
