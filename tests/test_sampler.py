@@ -103,3 +103,6 @@ def test_gumbel_max_kernel_samples_the_softmax():
         assert (counts.float() / n - expected).abs().max() < 4 * (0.25 / n) ** 0.5, (t, counts)
     ties = torch.tensor([[1.0, 3.0, 3.0, 0.0]], device=device)
     assert gumbel_max_sample(ties, torch.zeros(1, device=device), seeds[:1]).item() == 1
+    wide = torch.randn(3, 20000).to(device)  # spans several chunks; ties across chunks take the first
+    wide[:, 9000] = wide[:, 17000] = 10.0
+    assert gumbel_max_sample(wide, torch.zeros(3, device=device), seeds[:3]).tolist() == [9000] * 3

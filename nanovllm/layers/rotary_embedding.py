@@ -42,8 +42,15 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, -1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
-    @torch.compile(dynamic=True, disable=not torch.cuda.is_available())
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # cos/sin rounded to the model dtype and applied in it, as transformers and vLLM do
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, norms=None):
+        """q, k: [T, heads, head_dim]; norms: None or the (q_norm, k_norm) RMSNorms applied per head first.
+        On CUDA one Triton kernel does both in place; elsewhere torch, rounding cos/sin to the
+        model dtype and rotating in it, as transformers does."""
+        if q.is_cuda:
+            from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope
+            weights = (norms[0].weight, norms[1].weight, norms[0].eps) if norms else ()
+            return qk_norm_rope(positions, q, k, self.cos_sin_cache, *weights)
+        if norms:
+            q, k = norms[0](q), norms[1](k)
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).to(q.dtype).chunk(2, -1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -33,9 +33,8 @@ class DecoderAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else None
+        q, k = self.rotary_emb(positions, q, k, norms)
         return self.o_proj(self.attn(q, k, v))
 
 
