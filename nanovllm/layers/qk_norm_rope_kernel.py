@@ -13,15 +13,18 @@ def _norm_rope_heads(x_ptr, row, weight_ptr, cos, sin, eps, NUM_HEADS: tl.conste
     d = tl.arange(0, HALF)[None, :]
     mask = heads < NUM_HEADS
     ptr = x_ptr + row + heads * (2 * HALF) + d
-    x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
-    if NORM:  # RMSNorm over head_dim, rounded to the model dtype before the weight as transformers does
-        inv_rms = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-        dtype = x_ptr.dtype.element_ty
-        x1 = (x1 * inv_rms).to(dtype).to(tl.float32) * tl.load(weight_ptr + d).to(tl.float32)
-        x2 = (x2 * inv_rms).to(dtype).to(tl.float32) * tl.load(weight_ptr + HALF + d).to(tl.float32)
-    tl.store(ptr, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(ptr + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    dtype = x_ptr.dtype.element_ty
+    x1 = tl.load(ptr, mask=mask, other=0.0)
+    x2 = tl.load(ptr + HALF, mask=mask, other=0.0)
+    # Every step is rounded to the model dtype where transformers' bf16/fp16 forward rounds it.
+    if NORM:
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        inv_rms = tl.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)[:, None]
+        x1 = ((f1 * inv_rms).to(dtype) * tl.load(weight_ptr + d)).to(dtype)
+        x2 = ((f2 * inv_rms).to(dtype) * tl.load(weight_ptr + HALF + d)).to(dtype)
+    cos, sin = cos.to(dtype), sin.to(dtype)
+    tl.store(ptr, ((x1 * cos).to(dtype) - (x2 * sin).to(dtype)).to(dtype), mask=mask)
+    tl.store(ptr + HALF, ((x2 * cos).to(dtype) + (x1 * sin).to(dtype)).to(dtype), mask=mask)
 
 
 @triton.jit

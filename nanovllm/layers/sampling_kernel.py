@@ -9,27 +9,38 @@ import triton.language as tl
 
 @triton.jit
 def gumbel_max_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, max_ptr, index_ptr, vocab_size,
-                      CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                      CHUNK: tl.constexpr, SUB: tl.constexpr):
     """Grid (num_rows, num_chunks): the max over one CHUNK of the vocabulary of logits / T + Gumbel
-    noise (logits where T == 0) and its first index, written to max/index [num_rows, num_chunks]."""
+    noise (logits where T == 0) and its first index, written to max/index [num_rows, num_chunks].
+    Works in base 2 (a positive scale and a constant shift leave the argmax unchanged):
+    x * log2(e) / T - log2(-log2(U)); one Philox call gives the uniforms of 4 sub-tiles."""
     row, chunk = tl.program_id(0), tl.program_id(1)
     temperature = tl.load(temperatures_ptr + row)
     seed = tl.load(seeds_ptr + row)
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_index = tl.zeros([BLOCK], tl.int32)
-    for start in range(chunk * CHUNK, tl.minimum(vocab_size, (chunk + 1) * CHUNK), BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(logits_ptr + row * stride + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
-        if temperature > 0:
-            u = tl.rand(seed, offs)
-            x = x / temperature - tl.log(-tl.log(u))
-        take = x > best
-        best = tl.where(take, x, best)
-        best_index = tl.where(take, offs, best_index)
+    scale = 1.4426950408889634 / tl.where(temperature > 0, temperature, 1.0)
+    best = tl.full([SUB], float("-inf"), tl.float32)
+    best_index = tl.zeros([SUB], tl.int32)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride
+    for start in range(chunk * CHUNK, tl.minimum(vocab_size, (chunk + 1) * CHUNK), 4 * SUB):
+        base = start + tl.arange(0, SUB)
+        u0, u1, u2, u3 = tl.rand4x(seed, base)
+        best, best_index = _fold(row_ptr, base, u0, scale, temperature, vocab_size, best, best_index)
+        best, best_index = _fold(row_ptr, base + SUB, u1, scale, temperature, vocab_size, best, best_index)
+        best, best_index = _fold(row_ptr, base + 2 * SUB, u2, scale, temperature, vocab_size, best, best_index)
+        best, best_index = _fold(row_ptr, base + 3 * SUB, u3, scale, temperature, vocab_size, best, best_index)
     top = tl.max(best, 0)
     out = row * tl.num_programs(1) + chunk
     tl.store(max_ptr + out, top)
     tl.store(index_ptr + out, tl.min(tl.where(best == top, best_index, vocab_size), 0).to(tl.int64))
+
+
+@triton.jit
+def _fold(row_ptr, offs, u, scale, temperature, vocab_size, best, best_index):
+    x = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32) * scale
+    if temperature > 0:
+        x = x - tl.log2(-tl.log2(u))
+    take = x > best
+    return tl.where(take, x, best), tl.where(take, offs, best_index)
 
 
 CHUNK = 8192  # vocabulary entries per program: 19 programs per row for Qwen's 151,936
@@ -41,5 +52,5 @@ def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: t
     maxima = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     indices = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
     gumbel_max_kernel[(rows, chunks)](logits, logits.stride(0), temperatures, seeds, maxima, indices, logits.size(1),
-                                      CHUNK=CHUNK, BLOCK=2048, num_warps=4)
+                                      CHUNK=CHUNK, SUB=512, num_warps=4)
     return indices.gather(1, maxima.argmax(1, keepdim=True)).squeeze(1)  # first chunk on ties
