@@ -72,7 +72,8 @@ def test_greedy_matches_transformers(qwen3_06b, engine_args):
             logits = hf_model(torch.tensor([p + o.token_ids], device="cuda")).logits[0, len(p) - 1:-1].float()
         top = logits.max(-1).values
         ours = logits.gather(1, torch.tensor(o.token_ids, device="cuda")[:, None])[:, 0]
-        assert ((top - ours) <= BF16_TIE_ULPS * bf16_ulp(top)).all(), (i, (top - ours).tolist())
+        gap_ulps = ((top - ours) / bf16_ulp(top)).tolist()
+        assert max(gap_ulps) <= BF16_TIE_ULPS, (i, gap_ulps, o.token_ids, hf_greedy(hf_model, p))
     print(f"{engine_args}: {exact}/{len(ps)} sequences equal transformers' generate token for token")
     assert exact >= len(ps) // 2
     assert llm.block_manager.num_free_blocks == llm.model_runner.num_kvcache_blocks

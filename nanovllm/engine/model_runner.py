@@ -212,7 +212,9 @@ class ModelRunner:
         if not sample_seqs:
             return None
         with record_function("sampling"):
-            logits = self.model.compute_logits(hidden[sample_rows])
+            if len(sample_seqs) < hidden.size(0):
+                hidden = hidden[sample_rows]
+            logits = self.model.compute_logits(hidden)
             return self.sampler(logits, **self._prepare_sampling(sample_seqs))
 
     def to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, object]:

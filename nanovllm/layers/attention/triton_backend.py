@@ -26,7 +26,7 @@ def _cache_strides(k_cache: torch.Tensor):
 
 
 def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale, out=None,
-                      block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, num_warps=4, num_stages=2):
+                      block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, num_warps=4, num_stages=3):
     """Causal attention of the packed new tokens q: [T, num_heads, head_dim] (sequence i's at
     cu_seqlens_q[i]:cu_seqlens_q[i+1], the last ones of its context_lens[i] tokens) over the paged cache."""
     out = torch.empty_like(q) if out is None else out
