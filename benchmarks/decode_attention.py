@@ -17,6 +17,7 @@ def main():
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-sizes", type=int, nargs="+", default=[256, 16])
+    p.add_argument("--varied", action="store_true", help="context lengths uniform in [100, 2 * context]; sweep splits")
     args = p.parse_args()
     bandwidth = measure_bandwidth("cuda")
     for block_size in args.block_sizes:
@@ -27,13 +28,22 @@ def main():
         v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(args.batch, blocks_per_seq)
         lens = torch.full((args.batch,), args.context, dtype=torch.int32, device="cuda")
+        if args.varied:
+            lens = torch.randint(100, 2 * args.context, (args.batch,), dtype=torch.int32, device="cuda")
+            blocks_per_seq = -(-2 * args.context // block_size)
+            num_blocks = args.batch * blocks_per_seq
+            k = torch.randn((num_blocks, *shape[1:]), device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(args.batch, blocks_per_seq)
         q = torch.randn(args.batch, args.num_heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
-        seconds = do_bench(lambda: decode_attention(q, k, v, lens, tables, args.head_dim ** -0.5),
-                           warmup=50, rep=300, return_mode="median") / 1e3
-        kv_bytes = 2 * args.batch * args.context * args.num_kv_heads * args.head_dim * 2
-        print(f"decode attention batch {args.batch} x context {args.context}, block_size {block_size}: "
-              f"{seconds * 1e6:.1f} us, {kv_bytes / seconds / 1e12:.2f} TB/s = "
-              f"{kv_bytes / seconds / bandwidth:.3f} of the copy bandwidth ({bandwidth / 1e12:.2f} TB/s)")
+        kv_bytes = 2 * int(lens.sum()) * args.num_kv_heads * args.head_dim * 2
+        for splits in ([None, 1, 2, 4, 8] if args.varied else [None]):
+            seconds = do_bench(lambda: decode_attention(q, k, v, lens, tables, args.head_dim ** -0.5, num_splits=splits),
+                               warmup=50, rep=300, return_mode="median") / 1e3
+            print(f"decode attention batch {args.batch} x context {'varied ' if args.varied else ''}{args.context}, "
+                  f"block_size {block_size}, splits {splits or 'auto'}: {seconds * 1e6:.1f} us, "
+                  f"{kv_bytes / seconds / 1e12:.2f} TB/s = {kv_bytes / seconds / bandwidth:.3f} of the copy "
+                  f"bandwidth ({bandwidth / 1e12:.2f} TB/s)")
 
 
 if __name__ == "__main__":

@@ -218,10 +218,14 @@ class ModelRunner:
             return self.sampler(logits, **self._prepare_sampling(sample_seqs))
 
     def to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, object]:
-        """Start copying `tokens` to the host; returns (host tensor, CUDA event to wait on, or None)."""
+        """Start copying `tokens` to the host; returns (host tensor, CUDA event to wait on, or None).
+        Two pinned buffers alternate: at most two steps' tokens are unread at once."""
         if self.device.type != "cuda":
             return tokens, None
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        if not hasattr(self, "_pinned"):  # allocating pinned memory per step would synchronize the device
+            self._pinned = [torch.empty(self.config.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._pinned.reverse()
+        host = self._pinned[0][:tokens.numel()]
         host.copy_(tokens, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
