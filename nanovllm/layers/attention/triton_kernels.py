@@ -47,7 +47,9 @@ def _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, off
     return acc, m_new, l
 
 
-@triton.jit
+# The block-table width changes from step to step: keep it out of Triton's specialisation
+# (on 1 and on multiples of 16), which would otherwise compile new variants mid-run.
+@triton.jit(do_not_specialize=["stride_bt"])
 def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_ptr, context_lens_ptr, block_tables_ptr,
                              scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh,
                              stride_bt, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -81,7 +83,7 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_ptr, c
              o.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, acc_ptr, ml_ptr, context_lens_ptr,
                             block_tables_ptr, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb,
                             stride_kt, stride_kh, stride_bt, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
