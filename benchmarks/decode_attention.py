@@ -29,7 +29,8 @@ def main():
         tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(args.batch, blocks_per_seq)
         lens = torch.full((args.batch,), args.context, dtype=torch.int32, device="cuda")
         if args.varied:
-            lens = torch.randint(100, 2 * args.context, (args.batch,), dtype=torch.int32, device="cuda")
+            # longest first, as the scheduler orders decode steps
+            lens = torch.randint(100, 2 * args.context, (args.batch,), dtype=torch.int32, device="cuda").sort(descending=True).values
             blocks_per_seq = -(-2 * args.context // block_size)
             num_blocks = args.batch * blocks_per_seq
             k = torch.randn((num_blocks, *shape[1:]), device="cuda", dtype=torch.bfloat16)

@@ -123,8 +123,8 @@ class ModelRunner:
             next_block += len(seq.block_table)
             seqs.append((seq, n))
         self.run(seqs)
-        logits = torch.zeros(cfg.max_num_seqs, self.model.lm_head.num_embeddings, device=self.device)
-        self.sampler(logits, torch.ones(cfg.max_num_seqs, device=self.device))
+        logits = torch.zeros(cfg.max_num_seqs, self.model.lm_head.num_embeddings, device=self.device, dtype=self.dtype)
+        self.sampler(logits, torch.ones(cfg.max_num_seqs, device=self.device))  # compiles the sampling kernel
         del logits
         cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         del self.kv_cache

@@ -30,7 +30,8 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def schedule(self) -> list[tuple[Sequence, int]]:
-        """Return this step's (sequence, number of new tokens) pairs, running ones first."""
+        """Return this step's (sequence, number of new tokens) pairs: running ones first, or in a
+        decode-only step, longest context first."""
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
@@ -58,6 +59,9 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
+        if all(n == 1 for _, n in scheduled):
+            # longest context first: the decode kernel then starts the longest work first
+            scheduled.sort(key=lambda item: item[0].num_computed_tokens, reverse=True)
         return scheduled
 
     def _preempt(self, seq: Sequence):

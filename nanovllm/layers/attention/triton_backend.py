@@ -68,7 +68,7 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num
     if splits > 1:
         acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
-    decode_attention_kernel[(num_seqs, num_kv_heads, splits)](
+    decode_attention_kernel[(num_kv_heads, num_seqs, splits)](
         q, k_cache, v_cache, out, acc, ml, context_lens, block_tables, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.size(1),

@@ -89,11 +89,13 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, acc_ptr, ml_
                             stride_kt, stride_kh, stride_bt, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                             NUM_SPLITS: tl.constexpr):
-    """Grid (num_seqs, num_kv_heads, NUM_SPLITS): one query token per sequence (flash-decoding).
+    """Grid (num_kv_heads, num_seqs, NUM_SPLITS): one query token per sequence (flash-decoding).
+    Heads vary fastest so that the GPU starts every head of the first sequences first: with the
+    batch ordered longest context first, that is longest-processing-time-first scheduling.
     Each program reads one KV head's keys once for all GROUP query heads that share it, over its
     share of the context. With one split it writes the output; otherwise it writes the partial
     (acc [D], max, sum) per head and split for reduce_splits_kernel."""
-    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx_len = tl.load(context_lens_ptr + seq)
     per_split = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
@@ -119,7 +121,7 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, acc_ptr, ml_
         tl.store(o_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=head_mask[:, None])
     else:
-        num_heads = tl.num_programs(1) * GROUP
+        num_heads = tl.num_programs(0) * GROUP
         part = (seq * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G] rows of [num_seqs, num_heads, NUM_SPLITS]
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=head_mask[:, None])
         tl.store(ml_ptr + part * 2, m, mask=head_mask)
