@@ -76,7 +76,9 @@ def run_nanovllm(args, prompts, max_tokens):
                        kvcache_block_size=args.kvcache_block_size)
     llm = LLM(args.model, **engine_args)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    # the warm-up generate: one short prompt (as nano-vllm's bench), or --warmup-seqs of the workload's prompts
+    warm = prompts[:args.warmup_seqs] or [[1, 2, 3]]
+    llm.generate(warm, SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True), use_tqdm=False)
     if args.profile:
         profile_steps(llm, prompts, params, args.profile, args.profile_skip)
     if args.step_stats:
@@ -185,6 +187,7 @@ def main():
     p.add_argument("--profile-skip", type=int, default=40, help="steps run before the profiled ones")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--tqdm", action="store_true")
+    p.add_argument("--warmup-seqs", type=int, default=0, help="prompts of the workload in the warm-up generate")
     p.add_argument("--repeat", type=int, default=1, help="time the workload this many times (the first is reported)")
     p.add_argument("--step-stats", action="store_true", help="print time per step kind and batch size")
     args = p.parse_args()
