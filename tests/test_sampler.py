@@ -101,6 +101,10 @@ def test_gumbel_max_kernel_samples_the_softmax():
         counts = torch.bincount(gumbel_max_sample(x, torch.full((n,), t, device=device), seeds).cpu(), minlength=5)
         expected = (row / t).softmax(-1)
         assert (counts.float() / n - expected).abs().max() < 4 * (0.25 / n) ** 0.5, (t, counts)
+    flat = torch.zeros(n, 64, device=device)  # equal logits: every index equally likely
+    counts = torch.bincount(gumbel_max_sample(flat, torch.ones(n, device=device), seeds).cpu(), minlength=64)
+    expected = n / 64
+    assert (counts - expected).abs().max() < 5 * expected ** 0.5, counts
     ties = torch.tensor([[1.0, 3.0, 3.0, 0.0]], device=device)
     assert gumbel_max_sample(ties, torch.zeros(1, device=device), seeds[:1]).item() == 1
     wide = torch.randn(3, 20000).to(device)  # spans several chunks; ties across chunks take the first
