@@ -42,6 +42,8 @@ def test_prefix_cache_hits(tiny_model):
     assert [o.num_cached_tokens for o in outs] == [64, 64]  # 4 full blocks of the 70-token prefix reused
     again = check_against_hf(llm, hf_model, prompts[:1])
     assert again[0].num_cached_tokens == 64
+    assert llm.reset_prefix_cache()
+    assert check_against_hf(llm, hf_model, prompts[:1])[0].num_cached_tokens == 0
 
 
 def test_preemption(tiny_model):

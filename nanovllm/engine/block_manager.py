@@ -108,6 +108,16 @@ class BlockManager:
             self.hash_to_block_id.setdefault(block.hash, block.block_id)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (as vLLM's reset_prefix_cache); only when no block is in use.
+        Returns whether it was reset."""
+        if self.num_free_blocks != len(self.blocks):
+            return False
+        for block in self.blocks:
+            block.hash, block.token_ids = -1, None
+        self.hash_to_block_id.clear()
+        return True
+
     def free(self, seq: Sequence):
         """Drop `seq`'s references; blocks no one holds go to the free list, tail blocks first so
         that a shared prefix is evicted last."""

@@ -128,6 +128,10 @@ class LLMEngine:
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         self._inflight = self._last_sampled = None
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (e.g. between benchmark runs); False while requests hold blocks."""
+        return self.block_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished() or self._inflight is not None
 
