@@ -78,3 +78,12 @@ def test_greedy_matches_transformers(qwen3_06b, engine_args):
     print(f"{engine_args}: {exact}/{len(ps)} sequences equal transformers' generate token for token")
     assert exact >= len(ps) // 2
     assert llm.block_manager.num_free_blocks == llm.model_runner.num_kvcache_blocks
+
+
+def test_too_little_gpu_memory_says_what_to_change():
+    from nanovllm import LLM
+    with pytest.raises(MemoryError, match=r"the weights need 1\.1\d GiB .*raise gpu_memory_utilization"):
+        LLM("Qwen/Qwen3-0.6B", load_format="dummy", gpu_memory_utilization=0.002)
+    with pytest.raises(ValueError, match=r"one sequence of max_model_len=40960 needs .*raise gpu_memory_utilization "
+                                         r"or lower max_model_len \(or set num_kvcache_blocks\)"):
+        LLM("Qwen/Qwen3-0.6B", load_format="dummy", gpu_memory_utilization=0.0125, enforce_eager=True)

@@ -40,6 +40,8 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
+            if self.device.type == "cuda":
+                self._check_weights_fit(model_class(hf_config))
             with torch.device(self.device):
                 self.model = model_class(hf_config)(hf_config)
         finally:
@@ -57,6 +59,20 @@ class ModelRunner:
         self.graphs = {}
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
             self._capture_cudagraphs()
+
+    def _check_weights_fit(self, cls):
+        """Raise MemoryError, before allocating anything, when the weights alone exceed
+        gpu_memory_utilization of the GPU's free memory."""
+        with torch.device("meta"):
+            params = {id(p): p for p in cls(self.hf_config).parameters()}.values()
+        need = sum(p.numel() for p in params) * self.dtype.itemsize
+        free, _ = torch.cuda.mem_get_info()
+        if need > free * self.config.gpu_memory_utilization:
+            raise MemoryError(f"the weights need {need / 2**30:.2f} GiB in {self.dtype}, but only "
+                              f"{free * self.config.gpu_memory_utilization / 2**30:.2f} GiB of GPU memory may be used "
+                              f"(free {free / 2**30:.2f} GiB x gpu_memory_utilization="
+                              f"{self.config.gpu_memory_utilization}); raise gpu_memory_utilization, pick a smaller "
+                              f"dtype, or free the GPU")
 
     # ---- KV cache ----------------------------------------------------------------------------
 
@@ -81,7 +97,8 @@ class ModelRunner:
                 f"the KV cache holds {max(num_blocks, 0)} blocks of {self.block_size} tokens "
                 f"({max(num_blocks, 0) * block_bytes / 2**30:.2f} GiB), but one sequence of max_model_len="
                 f"{self.max_model_len} needs {self.max_blocks_per_seq} ({self.max_blocks_per_seq * block_bytes / 2**30:.2f} GiB); "
-                f"raise {budget} or lower max_model_len")
+                f"raise {budget} or lower max_model_len"
+                + ("" if budget == "num_kvcache_blocks" else " (or set num_kvcache_blocks)"))
         layer = self.attn_layers[0]
         shape = (2, len(self.attn_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
         self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)

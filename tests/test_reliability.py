@@ -1,0 +1,256 @@
+"""Reliability: random workloads keep the block manager and scheduler consistent after every step,
+an interrupted generate leaves the engine clean, broken model files give errors that name them."""
+import gc
+import json
+import os
+import weakref
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nanovllm import LLM, SamplingParams
+from tests.conftest import VOCAB, hf_greedy, random_prompts
+
+
+def check_invariants(llm, scheduled):
+    bm, sched = llm.block_manager, llm.scheduler
+    assert sum(n for _, n in scheduled) <= sched.max_num_batched_tokens
+    assert len(sched.running) <= sched.max_num_seqs
+    live = sched.running + list(sched.waiting)
+    holders = Counter(b for seq in live for b in seq.block_table)
+    for block in bm.blocks:
+        assert block.ref_count == holders.get(block.block_id, 0)
+        assert (block.block_id in bm.free_block_ids) == (block.ref_count == 0)
+    for h, block_id in bm.hash_to_block_id.items():
+        block = bm.blocks[block_id]
+        assert block.hash == h and len(block.token_ids) == bm.block_size
+    for seq in sched.running:
+        assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
+        # every full block in the prefix cache holds exactly this sequence's tokens
+        for i in range(seq.num_hashed_blocks):
+            assert bm.blocks[seq.block_table[i]].token_ids == seq.token_ids[i * bm.block_size:(i + 1) * bm.block_size]
+    for seq in sched.waiting:
+        assert seq.block_table == []
+
+
+request = st.tuples(st.integers(1, 60), st.integers(1, 12), st.integers(0, 3), st.sampled_from([0.0, 0.8]))
+workload = st.lists(st.lists(request, min_size=1, max_size=6), min_size=1, max_size=4)  # arrival waves
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_qwen3):
+    path = tiny_qwen3[0]
+    return [LLM(path, device="cpu", kvcache_block_size=8, num_kvcache_blocks=12, max_model_len=96, max_num_seqs=4,
+                max_num_batched_tokens=16),
+            LLM(path, device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=96, max_num_seqs=8,
+                max_num_batched_tokens=64),
+            LLM(path, device="cpu", kvcache_block_size=4, num_kvcache_blocks=30, max_model_len=96, max_num_seqs=3,
+                max_num_batched_tokens=9, enable_prefix_caching=False)]
+
+
+STATS = Counter()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(waves=workload, which=st.integers(0, 2), seed=st.integers(0, 10**6))
+def test_random_workloads_keep_invariants(engines, waves, which, seed):
+    llm = engines[which]
+    shared = random_prompts([40], seed=seed)[0]
+    recorded = []
+    original = llm.scheduler.schedule
+
+    def schedule():
+        recorded.append(original())
+        return recorded[-1]
+
+    llm.scheduler.schedule = schedule
+    try:
+        all_seqs = []
+        for wave in waves:  # each wave arrives after a few steps of the previous ones
+            prompts = [shared[:prefix * 10] + random_prompts([n], seed=seed + i)[0]
+                       for i, (n, _, prefix, _) in enumerate(wave)]
+            params = [SamplingParams(temperature=t, max_tokens=m, ignore_eos=True, seed=i)
+                      for i, (_, m, _, t) in enumerate(wave)]
+            all_seqs += [(seq, len(p)) for seq, p in zip(llm.add_requests(prompts, params), prompts)]
+            for _ in range(3):
+                if llm.has_unfinished_requests():
+                    llm.step()
+                    check_invariants(llm, recorded[-1])
+                    STATS["steps"] += 1
+        while llm.has_unfinished_requests():
+            llm.step()
+            check_invariants(llm, recorded[-1])
+            STATS["steps"] += 1
+    finally:
+        llm.scheduler.schedule = original
+    STATS["workloads"] += 1
+    STATS["preemptions"] = sum(e.scheduler.num_preemptions for e in engines)
+    for seq, prompt_len in all_seqs:
+        expected = min(seq.sampling_params.max_tokens, max(1, 96 - prompt_len))
+        assert seq.is_finished and seq.finish_reason == "length" and seq.num_completion_tokens == expected
+        assert all(t >= 0 for t in seq.token_ids)  # no PLACEHOLDER left behind
+    assert llm.block_manager.num_free_blocks == llm.model_runner.num_kvcache_blocks
+
+
+def test_report_property_stats():
+    print(f"property tests: {STATS['workloads']} random workloads, {STATS['steps']} engine steps checked, "
+          f"{STATS['preemptions']} preemptions")
+    assert STATS["workloads"] == 0 or STATS["preemptions"] > 0
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("error", [Boom, KeyboardInterrupt])
+def test_interrupted_generate_leaves_engine_clean(tiny_qwen3, error):
+    path, hf_model = tiny_qwen3
+    llm = LLM(path, device="cpu", kvcache_block_size=8, max_model_len=128)
+    sampler, calls = llm.model_runner.sampler, [0]
+    original = sampler.forward
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise error("injected")
+        return original(*args, **kwargs)
+
+    sampler.forward = failing
+    prompts = random_prompts([20, 33, 7], seed=21)
+    with pytest.raises(error):
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    sampler.forward = original
+    assert llm.block_manager.num_free_blocks == llm.model_runner.num_kvcache_blocks
+    assert not llm.has_unfinished_requests()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf_model, p, 10) for p in prompts]
+
+
+def test_interrupt_from_the_tokenizer_leaves_engine_clean(tiny_qwen3):
+    llm = LLM(tiny_qwen3[0], device="cpu", kvcache_block_size=8, max_model_len=128)
+
+    class BrokenTokenizer:
+        eos_token_id = None
+
+        def decode(self, *args, **kwargs):
+            raise KeyboardInterrupt
+
+    llm.tokenizer = BrokenTokenizer()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(random_prompts([5, 9], seed=3), SamplingParams(max_tokens=4), use_tqdm=False)
+    assert llm.block_manager.num_free_blocks == llm.model_runner.num_kvcache_blocks
+    assert not llm.has_unfinished_requests()
+
+
+# ---- broken model files -------------------------------------------------------------------
+
+def copy_model(src, dst):
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        with open(os.path.join(src, name), "rb") as f, open(os.path.join(dst, name), "wb") as g:
+            g.write(f.read())
+    return dst
+
+
+def test_missing_shard_named_in_index(tiny_qwen3, tmp_path):
+    path = copy_model(tiny_qwen3[0], tmp_path / "m")
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                                            "lm_head.weight": "model-00002-of-00002.safetensors"}}
+    os.rename(path / "model.safetensors", path / "model-00001-of-00002.safetensors")
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="names shard 'model-00002-of-00002.safetensors'"):
+        LLM(str(path), device="cpu")
+
+
+def test_truncated_safetensors(tiny_qwen3, tmp_path):
+    path = copy_model(tiny_qwen3[0], tmp_path / "m")
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match=r"cannot read weights file .*model\.safetensors"):
+        LLM(str(path), device="cpu")
+
+
+def edit_tensors(path, edit):
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors")
+
+
+def test_tensor_of_wrong_shape(tiny_qwen3, tmp_path):
+    path = copy_model(tiny_qwen3[0], tmp_path / "m")
+    edit_tensors(path, lambda t: t.update({"model.layers.1.mlp.down_proj.weight": torch.zeros(64, 95)}))
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.down_proj.weight'.*shape \(64, 95\), expected \(64, 96\)"):
+        LLM(str(path), device="cpu")
+
+
+def test_missing_tensor(tiny_qwen3, tmp_path):
+    path = copy_model(tiny_qwen3[0], tmp_path / "m")
+    edit_tensors(path, lambda t: t.pop("model.layers.0.self_attn.k_proj.weight"))
+    with pytest.raises(ValueError, match=r"lacks 1 tensor.*model.layers.0.self_attn.qkv_proj.weight \(shard k\)"):
+        LLM(str(path), device="cpu")
+
+
+def test_truncated_gguf(tmp_path):
+    """The demo GGUF assembled from five of its six parts."""
+    from nanovllm.utils.demo import demo_model_path
+    full = demo_model_path()
+    truncated = tmp_path / "five-of-six.gguf"
+    with open(full, "rb") as f, open(truncated, "wb") as g:
+        g.write(f.read(5 * 89_128_960))
+    with pytest.raises(ValueError, match=f"cannot read GGUF file {truncated}"):
+        LLM(str(truncated), device="cpu")
+
+
+def test_kv_cache_too_small_says_what_to_change(tiny_qwen3):
+    with pytest.raises(ValueError, match=r"needs 8 .*raise cpu_kvcache_space_gib or lower max_model_len"):
+        LLM(tiny_qwen3[0], device="cpu", kvcache_block_size=16, max_model_len=128, cpu_kvcache_space_gib=1e-5)
+
+
+# ---- soak and exit --------------------------------------------------------------------------
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_soak_10000_requests(tiny_qwen3):
+    import time
+    llm = LLM(tiny_qwen3[0], device="cpu", kvcache_block_size=16, num_kvcache_blocks=160, max_model_len=128,
+              max_num_seqs=128, max_num_batched_tokens=512)
+    free_at_start = llm.block_manager.num_free_blocks
+    g = torch.Generator().manual_seed(0)
+    served, per_call = 0, []
+    for call in range(40):
+        n = 250
+        lengths = torch.randint(1, 60, (n,), generator=g).tolist()
+        prompts = [torch.randint(0, VOCAB, (k,), generator=g).tolist() for k in lengths]
+        max_tokens = torch.randint(1, 12, (n,), generator=g).tolist()
+        params = [SamplingParams(temperature=[0.0, 0.7, 1.0][i % 3], top_k=[-1, 5][i % 2], top_p=[1.0, 0.9][i % 2],
+                                 max_tokens=m, ignore_eos=True, seed=i if i % 4 == 0 else None)
+                  for i, m in enumerate(max_tokens)]
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        per_call.append(((time.perf_counter() - t) / n, rss_mib()))
+        assert [len(o.token_ids) for o in outs] == max_tokens
+        assert all(o.finish_reason == "length" for o in outs)
+        assert llm.block_manager.num_free_blocks == free_at_start
+        served += n
+    (t0, m0), (t1, m1) = per_call[0], per_call[-1]
+    print(f"soak: {served} requests in {len(per_call)} calls; time/request {t0 * 1e3:.2f} ms -> {t1 * 1e3:.2f} ms; "
+          f"RSS {m0:.0f} MiB -> {m1:.0f} MiB")
+    assert served >= 10_000
+    assert t1 < 3 * t0 + 0.005 and m1 < m0 + 200  # generous: no growth with the number of requests served
+
+
+def test_deleting_the_llm_releases_the_kv_cache(tiny_qwen3):
+    llm = LLM(tiny_qwen3[0], device="cpu", kvcache_block_size=16, max_model_len=128)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)
+    cache = weakref.ref(llm.model_runner.kv_cache)
+    model = weakref.ref(llm.model_runner.model)
+    del llm
+    gc.collect()
+    assert cache() is None and model() is None
