@@ -81,9 +81,17 @@ def test_greedy_matches_transformers(qwen3_06b, engine_args):
 
 
 def test_too_little_gpu_memory_says_what_to_change():
+    import gc
+
     from nanovllm import LLM
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    in_use = total - free
     with pytest.raises(MemoryError, match=r"the weights need 1\.1\d GiB .*raise gpu_memory_utilization"):
-        LLM("Qwen/Qwen3-0.6B", load_format="dummy", gpu_memory_utilization=0.002)
+        LLM("Qwen/Qwen3-0.6B", load_format="dummy", gpu_memory_utilization=(in_use + 2**29) / total)
+    # room for the weights (1.11 GiB) and the warm-up, not for one 40,960-token sequence (4.4 GiB of KV)
     with pytest.raises(ValueError, match=r"one sequence of max_model_len=40960 needs .*raise gpu_memory_utilization "
                                          r"or lower max_model_len \(or set num_kvcache_blocks\)"):
-        LLM("Qwen/Qwen3-0.6B", load_format="dummy", gpu_memory_utilization=0.0125, enforce_eager=True)
+        LLM("Qwen/Qwen3-0.6B", load_format="dummy", gpu_memory_utilization=(in_use + 3 * 2**30) / total,
+            enforce_eager=True)

@@ -61,18 +61,18 @@ class ModelRunner:
             self._capture_cudagraphs()
 
     def _check_weights_fit(self, cls):
-        """Raise MemoryError, before allocating anything, when the weights alone exceed
-        gpu_memory_utilization of the GPU's free memory."""
+        """Raise MemoryError, before allocating anything, when the weights alone exceed the engine's
+        share of the GPU: gpu_memory_utilization x total memory, less what is already in use."""
         with torch.device("meta"):
             params = {id(p): p for p in cls(self.hf_config).parameters()}.values()
         need = sum(p.numel() for p in params) * self.dtype.itemsize
-        free, _ = torch.cuda.mem_get_info()
-        if need > free * self.config.gpu_memory_utilization:
-            raise MemoryError(f"the weights need {need / 2**30:.2f} GiB in {self.dtype}, but only "
-                              f"{free * self.config.gpu_memory_utilization / 2**30:.2f} GiB of GPU memory may be used "
-                              f"(free {free / 2**30:.2f} GiB x gpu_memory_utilization="
-                              f"{self.config.gpu_memory_utilization}); raise gpu_memory_utilization, pick a smaller "
-                              f"dtype, or free the GPU")
+        free, total = torch.cuda.mem_get_info()
+        share = total * self.config.gpu_memory_utilization - (total - free)
+        if need > share:
+            raise MemoryError(f"the weights need {need / 2**30:.2f} GiB in {self.dtype}, but the engine may use "
+                              f"{max(share, 0) / 2**30:.2f} GiB (gpu_memory_utilization={self.config.gpu_memory_utilization}"
+                              f" of {total / 2**30:.1f} GiB, {(total - free) / 2**30:.2f} GiB already in use); raise "
+                              f"gpu_memory_utilization, pick a smaller dtype, or free the GPU")
 
     # ---- KV cache ----------------------------------------------------------------------------
 
