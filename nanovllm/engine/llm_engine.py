@@ -203,9 +203,12 @@ class LLMEngine:
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete every prompt (strings or token-id lists) with its SamplingParams (one for all, or
-        one per prompt). Returns one RequestOutput per prompt, in input order. Raises ValueError,
-        before any work, if any request is invalid. If interrupted, every request of this call is
-        dropped and the engine is left clean for the next call."""
+        one per prompt). Returns one RequestOutput per prompt, in input order.
+
+        Raises ValueError("request i: ...") before any work if any request is invalid; then none of
+        the call's requests run (the whole call is refused, so a batch never half-runs). If an
+        exception or KeyboardInterrupt interrupts the call, its requests are dropped, their blocks
+        freed, and the engine is ready for the next call."""
         seqs = self.add_requests(prompts, sampling_params)
         bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         start, prefill_tokens, decode_tokens = time.perf_counter(), 0, 0
