@@ -18,7 +18,17 @@ def check_invariants(bm: BlockManager, live: list[Sequence]):
         assert block.ref_count == holders.get(block.block_id, 0), block.block_id
         assert (block.block_id in bm.free_block_ids) == (block.ref_count == 0)
     for h, block_id in bm.hash_to_block_id.items():
-        assert bm.blocks[block_id].hash == h and bm.blocks[block_id].token_ids is not None
+        block = bm.blocks[block_id]
+        assert block.hash == h and len(block.token_ids) == bm.block_size
+
+
+def cached_seq(bm: BlockManager, tokens) -> Sequence:
+    """A sequence whose tokens are all computed and whose full blocks are in the prefix cache."""
+    s = seq(tokens)
+    assert bm.allocate_slots(s, len(s))
+    s.num_computed_tokens = len(s)
+    bm.cache_full_blocks(s, len(s))
+    return s
 
 
 def test_allocate_and_free_returns_every_block():
@@ -37,10 +47,7 @@ def test_allocate_and_free_returns_every_block():
 
 def test_shared_prefix_reuses_blocks_with_reference_counts():
     bm = BlockManager(10, 4)
-    a = seq(list(range(10)))
-    bm.allocate_slots(a, 10)
-    a.num_computed_tokens = 10
-    bm.cache_full_blocks(a, len(a))  # blocks 0..1 full
+    a = cached_seq(bm, range(10))  # blocks 0..1 full
     b = seq(list(range(8)) + [50, 51, 52])
     hits = bm.find_cached_blocks(b)
     assert hits == a.block_table[:2]
@@ -60,10 +67,7 @@ def test_shared_prefix_reuses_blocks_with_reference_counts():
 
 def test_exact_block_multiple_prompt_keeps_one_token_to_compute():
     bm = BlockManager(10, 4)
-    a = seq(list(range(8)))
-    bm.allocate_slots(a, 8)
-    a.num_computed_tokens = 8
-    bm.cache_full_blocks(a, len(a))
+    cached_seq(bm, range(8))
     b = seq(list(range(8)))
     assert len(bm.find_cached_blocks(b)) == 1  # the last block would leave nothing to run
 
@@ -71,21 +75,14 @@ def test_exact_block_multiple_prompt_keeps_one_token_to_compute():
 def test_hash_collision_is_rejected_by_the_token_check(monkeypatch):
     monkeypatch.setattr(BlockManager, "compute_hash", staticmethod(lambda tokens, prefix=-1: 1234))
     bm = BlockManager(10, 4)
-    a = seq(list(range(9)))
-    bm.allocate_slots(a, 9)
-    a.num_computed_tokens = 9
-    bm.cache_full_blocks(a, len(a))
+    a = cached_seq(bm, range(9))
     assert bm.find_cached_blocks(seq([9, 9, 9, 9, 1])) == []  # same hash, other tokens
     assert bm.find_cached_blocks(seq([0, 1, 2, 3, 1])) == a.block_table[:1]
 
 
 def test_eviction_reuses_freed_blocks_and_drops_their_hashes():
     bm = BlockManager(4, 4)
-    a = seq(list(range(16)))
-    bm.allocate_slots(a, 16)
-    a.num_computed_tokens = 16
-    bm.cache_full_blocks(a, len(a))
-    bm.free(a)
+    bm.free(cached_seq(bm, range(16)))
     b = seq(list(range(100, 116)))
     assert bm.find_cached_blocks(b) == []
     assert bm.allocate_slots(b, 16)  # takes all four, evicting a's cache entries

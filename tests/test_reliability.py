@@ -13,20 +13,14 @@ from hypothesis import strategies as st
 
 from nanovllm import LLM, SamplingParams
 from tests.conftest import VOCAB, hf_greedy, random_prompts
+from tests.test_block_manager import check_invariants as check_block_invariants
 
 
 def check_invariants(llm, scheduled):
     bm, sched = llm.block_manager, llm.scheduler
     assert sum(n for _, n in scheduled) <= sched.max_num_batched_tokens
     assert len(sched.running) <= sched.max_num_seqs
-    live = sched.running + list(sched.waiting)
-    holders = Counter(b for seq in live for b in seq.block_table)
-    for block in bm.blocks:
-        assert block.ref_count == holders.get(block.block_id, 0)
-        assert (block.block_id in bm.free_block_ids) == (block.ref_count == 0)
-    for h, block_id in bm.hash_to_block_id.items():
-        block = bm.blocks[block_id]
-        assert block.hash == h and len(block.token_ids) == bm.block_size
+    check_block_invariants(bm, sched.running + list(sched.waiting))
     for seq in sched.running:
         assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
         # every full block in the prefix cache holds exactly this sequence's tokens

@@ -184,7 +184,7 @@ class ModelRunner:
 
         ctx = Context(is_decode=bool((counts == 1).all()), cu_seqlens_q=dev(cu_q, torch.int32),
                       max_seqlen_q=int(counts.max()), context_lens=dev(context_lens, torch.int32),
-                      max_seqlen_k=int(context_lens.max()), slot_mapping=dev(slot_mapping, torch.int64),
+                      slot_mapping=dev(slot_mapping, torch.int64),
                       block_tables=dev(block_tables, torch.int32))
         input_ids = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         if pending:  # tokens sampled by the previous step, still on the device
@@ -287,7 +287,7 @@ class ModelRunner:
         pool = None
         for bs in reversed(self.graph_batch_sizes):
             set_context(Context(is_decode=True, cu_seqlens_q=v["cu_seqlens_q"][:bs + 1], max_seqlen_q=1,
-                                context_lens=v["context_lens"][:bs], max_seqlen_k=self.max_model_len,
+                                context_lens=v["context_lens"][:bs],
                                 slot_mapping=v["slot_mapping"][:bs], block_tables=v["block_tables"][:bs]))
             v["outputs"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])  # warm-up (compiles)
             graph = torch.cuda.CUDAGraph()

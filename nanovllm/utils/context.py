@@ -12,7 +12,6 @@ class Context:
     cu_seqlens_q: [B + 1] int32, offsets of each sequence's new tokens in the packed batch.
     max_seqlen_q: the longest run of new tokens.
     context_lens: [B] int32, keys per sequence after this step (cached + new tokens).
-    max_seqlen_k: max(context_lens).
     slot_mapping: [T] int64, cache slot (block * block_size + offset) each new token's K/V goes to; -1 skips.
     block_tables: [B, max_blocks] int32, the physical KV blocks of each sequence in order.
     """
@@ -20,7 +19,6 @@ class Context:
     cu_seqlens_q: torch.Tensor | None = None
     max_seqlen_q: int = 0
     context_lens: torch.Tensor | None = None
-    max_seqlen_k: int = 0
     slot_mapping: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
 
