@@ -55,10 +55,15 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.backend = self.backend
         self.sampler = Sampler(config.seed)
-        self.num_kvcache_blocks = self._allocate_kv_cache()
         self.graphs = {}
-        if self.device.type == "cuda" and not config.enforce_eager and self.backend.supports_cuda_graphs:
-            self._capture_cudagraphs()
+        max_bs = config.max_num_seqs
+        self.graph_batch_sizes = sorted({b for b in [1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs] if b <= max_bs})
+        self.num_kvcache_blocks = self._allocate_kv_cache()
+        if self.device.type == "cuda":
+            # allocating pinned memory per step would synchronize the device
+            self._pinned = [torch.empty(max_bs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            if not config.enforce_eager and self.backend.supports_cuda_graphs:
+                self._capture_cudagraphs()
 
     def _check_weights_fit(self, cls):
         """Raise MemoryError, before allocating anything, when the weights alone exceed the engine's
@@ -99,12 +104,17 @@ class ModelRunner:
                 f"{self.max_model_len} needs {self.max_blocks_per_seq} ({self.max_blocks_per_seq * block_bytes / 2**30:.2f} GiB); "
                 f"raise {budget} or lower max_model_len"
                 + ("" if budget == "num_kvcache_blocks" else " (or set num_kvcache_blocks)"))
+        self._bind_kv_cache(num_blocks)
+        return num_blocks
+
+    def _bind_kv_cache(self, num_blocks: int):
+        """Allocate kv_cache [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim] and give
+        each Attention layer its k and v slices."""
         layer = self.attn_layers[0]
         shape = (2, len(self.attn_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
         self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.attn_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        return num_blocks
 
     def _blocks_from_gpu_memory(self, block_bytes: int) -> int:
         """Blocks that fit in gpu_memory_utilization * total memory after the weights and the
@@ -127,12 +137,7 @@ class ModelRunner:
         num_tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * self.max_model_len)
         num_seqs = max(1, min(cfg.max_num_seqs, num_tokens // self.max_model_len))
         lens = [num_tokens // num_seqs] * num_seqs
-        num_blocks = sum((n + self.block_size - 1) // self.block_size for n in lens)
-        layer = self.attn_layers[0]
-        shape = (2, len(self.attn_layers), num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-        for i, attn in enumerate(self.attn_layers):
-            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        self._bind_kv_cache(sum((n + self.block_size - 1) // self.block_size for n in lens))
         seqs, next_block = [], 0
         for n in lens:
             seq = Sequence([0] * n, SamplingParams(temperature=0.0, max_tokens=1))
@@ -210,7 +215,7 @@ class ModelRunner:
         generators = {}
         for row, seq in enumerate(seqs):
             if seq.sampling_params.seed is not None and seq.sampling_params.temperature > 0:
-                if getattr(seq, "generator", None) is None:
+                if seq.generator is None:
                     seq.generator = torch.Generator(self.device).manual_seed(seq.sampling_params.seed)
                 generators[row] = seq.generator
         if generators:
@@ -239,8 +244,6 @@ class ModelRunner:
         Two pinned buffers alternate: at most two steps' tokens are unread at once."""
         if self.device.type != "cuda":
             return tokens, None
-        if not hasattr(self, "_pinned"):  # allocating pinned memory per step would synchronize the device
-            self._pinned = [torch.empty(self.config.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self._pinned.reverse()
         host = self._pinned[0][:tokens.numel()]
         host.copy_(tokens, non_blocking=True)
@@ -261,11 +264,6 @@ class ModelRunner:
         return self._replay(graph_bs, input_ids, positions, ctx)
 
     # ---- CUDA graphs for decode -------------------------------------------------------------
-
-    @property
-    def graph_batch_sizes(self) -> list[int]:
-        max_bs = self.config.max_num_seqs
-        return sorted({b for b in [1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs] if b <= max_bs})
 
     @torch.inference_mode()
     def _capture_cudagraphs(self):
