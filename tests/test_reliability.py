@@ -48,6 +48,15 @@ def engines(tiny_qwen3):
 STATS = Counter()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def report_property_stats():
+    """After the module: how much the property test exercised; its workloads must have preempted."""
+    yield
+    print(f"\nproperty tests: {STATS['workloads']} random workloads, {STATS['steps']} engine steps checked, "
+          f"{STATS['preemptions']} preemptions")
+    assert STATS["workloads"] == 0 or STATS["preemptions"] > 0
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(waves=workload, which=st.integers(0, 2), seed=st.integers(0, 10**6))
 def test_random_workloads_keep_invariants(engines, waves, which, seed):
@@ -87,12 +96,6 @@ def test_random_workloads_keep_invariants(engines, waves, which, seed):
         assert seq.is_finished and seq.finish_reason == "length" and seq.num_completion_tokens == expected
         assert all(t >= 0 for t in seq.token_ids)  # no PLACEHOLDER left behind
     assert llm.block_manager.num_free_blocks == llm.model_runner.num_kvcache_blocks
-
-
-def test_report_property_stats():
-    print(f"property tests: {STATS['workloads']} random workloads, {STATS['steps']} engine steps checked, "
-          f"{STATS['preemptions']} preemptions")
-    assert STATS["workloads"] == 0 or STATS["preemptions"] > 0
 
 
 class Boom(Exception):

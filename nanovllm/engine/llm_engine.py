@@ -209,6 +209,7 @@ class LLMEngine:
         the call's requests run (the whole call is refused, so a batch never half-runs). If an
         exception or KeyboardInterrupt interrupts the call, its requests are dropped, their blocks
         freed, and the engine is ready for the next call."""
+        prompts = [prompts] if isinstance(prompts, str) else prompts
         seqs = self.add_requests(prompts, sampling_params)
         bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         start, prefill_tokens, decode_tokens = time.perf_counter(), 0, 0
@@ -225,7 +226,7 @@ class LLMEngine:
             raise
         finally:
             bar.close()
-        return [self._output(i, p, seq) for i, (p, seq) in enumerate(zip(prompts if not isinstance(prompts, str) else [prompts], seqs))]
+        return [self._output(i, p, seq) for i, (p, seq) in enumerate(zip(prompts, seqs))]
 
     def _output(self, index: int, prompt, seq: Sequence) -> RequestOutput:
         text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True) if self.tokenizer else ""
