@@ -5,8 +5,9 @@ temperature 0.6, ignore_eos, on Qwen3-0.6B with random weights (the work done do
 the weight values). Throughput = output tokens / wall time of one generate call after a warm-up.
 
 The floor is the time the bytes that must move take at the measured device-to-device bandwidth
-(KV cache read by every decode step, KV written once, weights read once per decode step) plus the
-matmul FLOPs at the measured bf16 rate.
+(KV cache read by every decode step, KV written once, weights read once per decode step by each
+data-parallel replica) plus the matmul FLOPs at the measured bf16 rate, with the bandwidth and
+FLOP rate of one GPU (measured on the first) times the number of GPUs used.
 """
 import argparse
 import json
@@ -16,6 +17,8 @@ from random import randint, seed
 
 import torch
 
+from nanovllm.models.registry import model_class
+from nanovllm.utils.source import resolve_model
 
 def measure_bandwidth(device) -> float:
     """Bytes/s of a large device-to-device copy, counting bytes read plus bytes written."""
@@ -57,15 +60,16 @@ def workload(args):
     return prompts, max_tokens
 
 
-def floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, kv_itemsize, bandwidth, flops):
-    """Seconds the workload needs at least on this device (see the module docstring)."""
+def floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, kv_itemsize, bandwidth, flops,
+                  num_gpus=1, replicas=1):
+    """Seconds the workload needs at least on num_gpus GPUs like this one (see the module docstring)."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     kv_per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * kv_itemsize
     kv_read = sum(sum(len(p) + t for t in range(1, out)) for p, out in zip(prompts, max_tokens)) * kv_per_token
     kv_written = sum(len(p) + out for p, out in zip(prompts, max_tokens)) * kv_per_token
-    weights = param_bytes * max(max_tokens)
+    weights = param_bytes * max(max_tokens) * replicas
     tokens = sum(map(len, prompts)) + sum(max_tokens)
-    return (kv_read + kv_written + weights) / bandwidth + 2 * matmul_params * tokens / flops
+    return ((kv_read + kv_written + weights) / bandwidth + 2 * matmul_params * tokens / flops) / num_gpus
 
 
 def run_nanovllm(args, prompts, max_tokens):
@@ -73,7 +77,8 @@ def run_nanovllm(args, prompts, max_tokens):
     engine_args = dict(load_format=args.load_format, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
-                       kvcache_block_size=args.kvcache_block_size)
+                       kvcache_block_size=args.kvcache_block_size, tensor_parallel_size=args.tensor_parallel_size,
+                       data_parallel_size=args.data_parallel_size)
     llm = LLM(args.model, **engine_args)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
     # the warm-up generate: one short prompt (as nano-vllm's bench), or --warmup-seqs of the workload's prompts
@@ -82,7 +87,6 @@ def run_nanovllm(args, prompts, max_tokens):
     times = []
     for _ in range(args.repeat):
         llm.reset_prefix_cache()  # every timed run prefills its prompts in full
-        torch.cuda.synchronize()
         t = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=args.tqdm)
         times.append(time.perf_counter() - t)
@@ -96,8 +100,7 @@ def run_nanovllm(args, prompts, max_tokens):
     if args.step_stats:
         llm.reset_prefix_cache()
         step_stats(llm, prompts, params)
-    runner = llm.model_runner
-    return seconds, runner.hf_config, runner.model, runner.dtype.itemsize, runner.num_kvcache_blocks
+    return seconds, getattr(getattr(llm, "model_runner", None), "num_kvcache_blocks", None)
 
 
 def profile_steps(llm, prompts, params, out_dir, skip):
@@ -143,8 +146,6 @@ def run_transformers(args, prompts, max_tokens):
     --hf-batch-size prompts, left-padded, sampling to the batch's largest max_tokens; only the
     requested tokens of each sequence are counted."""
     from transformers import AutoModelForCausalLM
-
-    from nanovllm.utils.source import resolve_model
     config = resolve_model(args.model, args.load_format).hf_config
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
@@ -164,7 +165,7 @@ def run_transformers(args, prompts, max_tokens):
     for i in range(0, len(prompts), args.hf_batch_size):
         batch_generate(prompts[i:i + args.hf_batch_size], max(max_tokens[i:i + args.hf_batch_size]))
     torch.cuda.synchronize()
-    return time.perf_counter() - t, config, model, 2, None
+    return time.perf_counter() - t, None
 
 
 def main():
@@ -185,6 +186,8 @@ def main():
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    p.add_argument("--data-parallel-size", "--dp", type=int, default=1)
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--profile", metavar="DIR", help="write a torch profiler Chrome trace of a few steps to DIR")
     p.add_argument("--profile-skip", type=int, default=40, help="steps run before the profiled ones")
@@ -199,22 +202,29 @@ def main():
 
     prompts, max_tokens = workload(args)
     bandwidth, flops = measure_bandwidth("cuda"), measure_matmul_flops("cuda")
+    torch.cuda.empty_cache()  # leave GPU 0 to the engine
     run = run_nanovllm if args.engine == "nanovllm" else run_transformers
-    seconds, hf_config, model, kv_itemsize, num_blocks = run(args, prompts, max_tokens)
-    params = {id(t): t for t in model.parameters()}.values()
-    param_bytes = sum(t.numel() * t.element_size() for t in params)
+    seconds, num_blocks = run(args, prompts, max_tokens)
+    hf_config = resolve_model(args.model, args.load_format, tokenizer=False).hf_config
+    with torch.device("meta"):
+        params = {id(t): t for t in model_class(hf_config)(hf_config).parameters()}.values()
+    param_bytes = sum(t.numel() for t in params) * 2  # bf16
     matmul_params = sum(t.numel() for t in params if t.dim() == 2)  # embedding counted as the (tied) LM head
-    floor = floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, kv_itemsize, bandwidth, flops)
+    num_gpus = args.tensor_parallel_size * args.data_parallel_size
+    floor = floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, 2, bandwidth, flops,
+                          num_gpus, args.data_parallel_size)
     output_tokens = sum(max_tokens)
     result = {
         "engine": args.engine, "model": args.model, "device": torch.cuda.get_device_name(),
+        "tensor_parallel_size": args.tensor_parallel_size, "data_parallel_size": args.data_parallel_size,
         "num_seqs": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": output_tokens,
         "seconds": round(seconds, 3), "tokens_per_s": round(output_tokens / seconds, 1),
         "bandwidth_tb_s": round(bandwidth / 1e12, 3), "matmul_tflop_s": round(flops / 1e12, 1),
         "floor_seconds": round(floor, 3), "floor_tokens_per_s": round(output_tokens / floor, 1),
         "fraction_of_floor": round(floor / seconds, 3), "num_kvcache_blocks": num_blocks,
     }
-    print(f"{result['engine']} on {result['device']}: {output_tokens} output tokens in {seconds:.2f} s = "
+    print(f"{result['engine']} on {num_gpus} x {result['device']} (TP {args.tensor_parallel_size}, DP "
+          f"{args.data_parallel_size}): {output_tokens} output tokens in {seconds:.2f} s = "
           f"{result['tokens_per_s']:.0f} tok/s; floor {floor:.2f} s = {result['floor_tokens_per_s']:.0f} tok/s "
           f"(bandwidth {bandwidth / 1e12:.2f} TB/s, matmul {flops / 1e12:.0f} TFLOP/s); "
           f"fraction of floor {result['fraction_of_floor']:.3f}")

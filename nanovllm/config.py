@@ -18,7 +18,9 @@ class Config:
     pool size on CPU (as vLLM's VLLM_CPU_KVCACHE_SPACE). enforce_eager: no CUDA graphs.
     dtype: "auto" (the checkpoint's bf16/fp16 on GPU, float32 on CPU), "bfloat16", "float16", "float32".
     device: "auto" (CUDA when available), "cuda", "cpu". attention_backend: "auto", "torch", ...
-    seed: seeds dummy weights and unseeded sampling.
+    seed: seeds dummy weights and unseeded sampling. tensor_parallel_size: GPUs (or CPU processes)
+    one model is split across. data_parallel_size: engine replicas, each on its own
+    tensor_parallel_size GPUs, that share the prompts of a generate call.
     """
     model: str
     max_num_seqs: int = 256
@@ -35,9 +37,12 @@ class Config:
     load_format: str = "auto"
     attention_backend: str = "auto"
     seed: int = 0
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def __post_init__(self):
-        positive = ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size")
+        positive = ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size",
+                    "data_parallel_size")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -54,6 +59,10 @@ class Config:
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available; use device='cpu' or 'auto'")
+        gpus = self.tensor_parallel_size * self.data_parallel_size
+        if self.torch_device.type == "cuda" and gpus > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size="
+                             f"{self.data_parallel_size} needs {gpus} GPUs, but {torch.cuda.device_count()} are visible")
 
     @property
     def torch_device(self) -> torch.device:

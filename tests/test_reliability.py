@@ -71,7 +71,13 @@ def test_random_workloads_keep_invariants(engines, waves, which, seed):
 
     llm.scheduler.schedule = schedule
     try:
-        all_seqs = []
+        all_seqs, reported = [], []
+
+        def step():
+            reported.extend(llm.step()[0])
+            check_invariants(llm, recorded[-1])
+            STATS["steps"] += 1
+
         for wave in waves:  # each wave arrives after a few steps of the previous ones
             prompts = [shared[:prefix * 10] + random_prompts([n], seed=seed + i)[0]
                        for i, (n, _, prefix, _) in enumerate(wave)]
@@ -80,13 +86,9 @@ def test_random_workloads_keep_invariants(engines, waves, which, seed):
             all_seqs += [(seq, len(p)) for seq, p in zip(llm.add_requests(prompts, params), prompts)]
             for _ in range(3):
                 if llm.has_unfinished_requests():
-                    llm.step()
-                    check_invariants(llm, recorded[-1])
-                    STATS["steps"] += 1
+                    step()
         while llm.has_unfinished_requests():
-            llm.step()
-            check_invariants(llm, recorded[-1])
-            STATS["steps"] += 1
+            step()
     finally:
         llm.scheduler.schedule = original
     STATS["workloads"] += 1
@@ -95,6 +97,7 @@ def test_random_workloads_keep_invariants(engines, waves, which, seed):
         expected = min(seq.sampling_params.max_tokens, max(1, 96 - prompt_len))
         assert seq.is_finished and seq.finish_reason == "length" and seq.num_completion_tokens == expected
         assert all(t >= 0 for t in seq.token_ids)  # no PLACEHOLDER left behind
+    assert sorted(s.seq_id for s in reported) == sorted(s.seq_id for s, _ in all_seqs)  # each finish reported once
     assert llm.block_manager.num_free_blocks == llm.model_runner.num_kvcache_blocks
 
 
@@ -135,7 +138,7 @@ def test_interrupt_from_the_tokenizer_leaves_engine_clean(tiny_qwen3):
         def decode(self, *args, **kwargs):
             raise KeyboardInterrupt
 
-    llm.tokenizer = BrokenTokenizer()
+    llm.processor.tokenizer = BrokenTokenizer()
     with pytest.raises(KeyboardInterrupt):
         llm.generate(random_prompts([5, 9], seed=3), SamplingParams(max_tokens=4), use_tqdm=False)
     assert llm.block_manager.num_free_blocks == llm.model_runner.num_kvcache_blocks

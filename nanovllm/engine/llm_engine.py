@@ -8,9 +8,11 @@ from tqdm.auto import tqdm
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.requests import RequestOutput, RequestProcessor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.engine.workers import TPWorkers
+from nanovllm.utils.distributed import check_tensor_parallel
 from nanovllm.utils.source import resolve_model
 
 
@@ -22,102 +24,40 @@ class _Inflight:
     event: object  # CUDA event after the copy, or None on CPU
 
 
-@dataclass
-class RequestOutput:
-    """One finished request. `token_ids` holds the completion only; finish_reason is "stop"
-    (EOS or a stop token) or "length" (max_tokens or max_model_len). out["text"] works too."""
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-
-    def __getitem__(self, key: str):
-        return getattr(self, key)
-
-
 class LLMEngine:
-    """Drives the Scheduler, BlockManager and ModelRunner; see Config for the engine arguments."""
+    """Drives the Scheduler, BlockManager and ModelRunner; see Config for the engine arguments.
+    With tensor_parallel_size > 1 this process is rank 0 and starts the other ranks' processes."""
 
     def __init__(self, model: str, **engine_args):
         self.config = config = Config(model, **engine_args)
+        if config.data_parallel_size > 1:
+            raise ValueError("LLMEngine is one replica; LLM(..., data_parallel_size=N) runs several")
         source = resolve_model(model, config.load_format)
-        hf_config = source.hf_config
-        max_pos = hf_config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > max_pos:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={max_pos}")
-        self.max_model_len = config.max_model_len or max_pos
-        self.tokenizer = source.tokenizer
-        self.vocab_size = hf_config.vocab_size
-        self.eos_token_ids = self._eos_token_ids(hf_config, self.tokenizer)
-        self.model_runner = ModelRunner(config, source, self.max_model_len)
+        check_tensor_parallel(source.hf_config, config.tensor_parallel_size)
+        self.processor = processor = RequestProcessor(config, source)
+        self.max_model_len, self.eos_token_ids = processor.max_model_len, processor.eos_token_ids
+        workers = store_path = None
+        if config.tensor_parallel_size > 1:
+            workers = TPWorkers(model, config, self.max_model_len)
+            store_path = workers.store_path
+        self.model_runner = ModelRunner(config, source, self.max_model_len, 0, store_path, workers)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)
         self._inflight: _Inflight | None = None  # the launched step whose tokens are not read yet
         self._last_sampled = None  # its sampled tokens on the device
 
-    @staticmethod
-    def _eos_token_ids(hf_config, tokenizer) -> set[int]:
-        ids = getattr(hf_config, "eos_token_id", None)
-        ids = set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            ids.add(tokenizer.eos_token_id)
-        return ids
-
-    # ---- requests ----------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """The model's Hugging Face tokenizer, or None when it has none (token-id prompts only)."""
+        return self.processor.tokenizer
 
     def add_requests(self, prompts, sampling_params=None) -> list[Sequence]:
         """Validate every request, then queue them all (see generate for the arguments)."""
-        seqs = self._to_sequences(prompts, sampling_params)
+        seqs = self.processor.to_sequences(prompts, sampling_params)
         for seq in seqs:
             self.scheduler.add(seq)
         return seqs
-
-    def _to_sequences(self, prompts, sampling_params) -> list[Sequence]:
-        """Validate every request before any work; ValueError names the request index and the problem."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or (prompts and all(isinstance(p, int) for p in prompts)):
-            raise ValueError("prompts must be a list of strings or a list of token-id lists")
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; "
-                             f"pass one, or one per prompt")
-        seqs = []
-        for i, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
-            try:
-                if not isinstance(sp, SamplingParams):
-                    raise ValueError(f"sampling params must be SamplingParams, got {type(sp).__name__}")
-                sp.validate()
-                seqs.append(Sequence(self._token_ids(prompt), sp))
-            except ValueError as e:
-                raise ValueError(f"request {i}: {e}") from None
-        return seqs
-
-    def _token_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass prompts as token-id lists")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        else:
-            raise ValueError(f"a prompt must be a string or a list of ints, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
-        return ids
 
     # ---- stepping ----------------------------------------------------------------------------
 
@@ -182,8 +122,7 @@ class LLMEngine:
 
     def _process(self, step: _Inflight) -> list[Sequence]:
         """Read a launched step's sampled tokens, put them in place and finish stopped sequences."""
-        if step.event is not None:
-            step.event.synchronize()
+        self.model_runner.wait(step.event)
         finished = []
         for seq, pos, token in zip(step.seqs, step.positions, step.tokens.tolist()):
             if pos >= len(seq):
@@ -196,7 +135,8 @@ class LLMEngine:
                 del seq.token_ids[pos + 1:]
                 self.scheduler.finish(seq, "stop")
             if seq.is_finished:
-                finished.append(seq)
+                if pos == len(seq) - 1:  # its last token: reported once (a "length" finish is decided earlier)
+                    finished.append(seq)
             elif seq.status == SequenceStatus.RUNNING:
                 self.block_manager.cache_full_blocks(seq, pos + 1)
         return finished
@@ -226,9 +166,4 @@ class LLMEngine:
             raise
         finally:
             bar.close()
-        return [self._output(i, p, seq) for i, (p, seq) in enumerate(zip(prompts, seqs))]
-
-    def _output(self, index: int, prompt, seq: Sequence) -> RequestOutput:
-        text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True) if self.tokenizer else ""
-        return RequestOutput(index, prompt if isinstance(prompt, str) else None, seq.prompt_token_ids, text,
-                             seq.completion_token_ids, seq.finish_reason, seq.num_cached_tokens)
+        return [self.processor.output(i, p, seq) for i, (p, seq) in enumerate(zip(prompts, seqs))]

@@ -1,8 +1,12 @@
 """Runs one packed forward per step: builds the step's inputs, writes K/V into the paged cache,
-computes logits for the sampled rows only and samples them. Decode-only steps replay CUDA graphs."""
+computes logits for the sampled rows only and samples them. Decode-only steps replay CUDA graphs.
+Under tensor parallelism every rank has a ModelRunner; rank 0 plans each step and sends the plan
+to the others (see workers.py), and only rank 0 samples."""
+from dataclasses import dataclass, replace
+
 import numpy as np
 import torch
-from torch import nn
+import torch.distributed as dist
 from torch.profiler import record_function
 
 from nanovllm.config import Config
@@ -12,26 +16,41 @@ from nanovllm.layers.sampler import Sampler
 from nanovllm.models.registry import model_class
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import Context, reset_context, set_context
-from nanovllm.utils.loader import load_weights
+from nanovllm.utils.distributed import init_process_group, tensor_parallel
+from nanovllm.utils.loader import dummy_weights, load_weights
 from nanovllm.utils.source import ModelSource
 
 
-def _init_dummy_weights(model: nn.Module, std: float):
-    """Random weights (load_format="dummy"): N(0, std) for matrices, ones for norm weights, zeros for biases."""
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
-        elif name.endswith("bias"):
-            param.data.zero_()
-        else:
-            param.data.normal_(0.0, std)
+@dataclass
+class StepPlan:
+    """One step's inputs as host arrays (int64), T tokens of S sequences; what rank 0 sends to
+    the other tensor-parallel ranks, with input_ids and pending left out (the ids are broadcast)."""
+    input_ids: np.ndarray | None  # [T]; PLACEHOLDER where the previous step's sampled token goes
+    pending: np.ndarray | None  # [P, 2]: (token index, row of the previous step's sampled tokens)
+    positions: np.ndarray  # [T]
+    cu_seqlens_q: np.ndarray  # [S + 1]
+    context_lens: np.ndarray  # [S]: tokens in the cache after this step
+    slot_mapping: np.ndarray  # [T]: KV cache slot of each new token
+    block_tables: np.ndarray  # [S, max blocks], -1 padded
+    sample_rows: np.ndarray  # token rows whose logits are sampled
+    is_decode: bool
+    max_seqlen_q: int
 
 
 class ModelRunner:
-    def __init__(self, config: Config, source: ModelSource, max_model_len: int):
+    def __init__(self, config: Config, source: ModelSource, max_model_len: int, rank: int = 0,
+                 store_path: str | None = None, workers=None):
+        """rank, store_path: this process's tensor-parallel rank and the FileStore where the ranks
+        meet (tensor_parallel_size > 1); workers: rank 0's TPWorkers."""
         self.config = config
         self.hf_config = hf_config = source.hf_config
+        self.rank, self.world_size, self.workers = rank, config.tensor_parallel_size, workers
         self.device = config.torch_device
+        if self.world_size > 1:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(rank)
+                self.device = torch.device("cuda", rank)
+            init_process_group(rank, self.world_size, store_path, self.device)
         self.dtype = config.torch_dtype(hf_config)
         self.block_size = config.kvcache_block_size
         self.max_model_len = max_model_len
@@ -40,16 +59,16 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            if self.device.type == "cuda":
-                self._check_weights_fit(model_class(hf_config))
-            with torch.device(self.device):
-                self.model = model_class(hf_config)(hf_config)
+            with tensor_parallel(rank, self.world_size):
+                if self.device.type == "cuda":
+                    self._check_weights_fit(model_class(hf_config))
+                with torch.device(self.device):
+                    self.model = model_class(hf_config)(hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
-        if source.weights is None:
-            _init_dummy_weights(self.model, getattr(hf_config, "initializer_range", 0.02))
-        else:
-            load_weights(self.model, source.weights())
+        weights = source.weights() if source.weights is not None else \
+            dummy_weights(model_class(hf_config), hf_config, config.seed, self.device, self.dtype)
+        load_weights(self.model, weights)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = select_backend(config.attention_backend, self.device, self.attn_layers[0].head_dim)
         for layer in self.attn_layers:
@@ -97,6 +116,10 @@ class ModelRunner:
         else:
             limit = cfg.max_num_seqs * self.max_blocks_per_seq  # more would never be used at once
             num_blocks, budget = min(int(cfg.cpu_kvcache_space_gib * 2**30) // block_bytes, limit), "cpu_kvcache_space_gib"
+        if self.world_size > 1:  # every rank holds the same blocks (of its own KV heads): the fewest that fit
+            count = torch.tensor([num_blocks], device=self.device)
+            dist.all_reduce(count, dist.ReduceOp.MIN)
+            num_blocks = int(count.item())
         if num_blocks < self.max_blocks_per_seq:
             raise ValueError(
                 f"the KV cache holds {max(num_blocks, 0)} blocks of {self.block_size} tokens "
@@ -132,7 +155,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _warmup(self) -> int:
         """One prefill step of max_num_batched_tokens tokens and sampling of max_num_seqs rows, with a
-        temporary KV cache just big enough; returns that cache's size in bytes."""
+        temporary KV cache just big enough; returns that cache's size in bytes. Every rank runs it."""
         cfg = self.config
         num_tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * self.max_model_len)
         num_seqs = max(1, min(cfg.max_num_seqs, num_tokens // self.max_model_len))
@@ -144,10 +167,11 @@ class ModelRunner:
             seq.block_table = list(range(next_block, next_block + (n + self.block_size - 1) // self.block_size))
             next_block += len(seq.block_table)
             seqs.append((seq, n))
-        self.run(seqs)
-        logits = torch.zeros(cfg.max_num_seqs, self.model.lm_head.num_embeddings, device=self.device, dtype=self.dtype)
-        self.sampler(logits, torch.ones(cfg.max_num_seqs, device=self.device))  # compiles the sampling kernel
-        del logits
+        self.execute(self._plan(seqs)[0])
+        if self.rank == 0:
+            logits = torch.zeros(cfg.max_num_seqs, self.model.lm_head.num_embeddings, device=self.device, dtype=self.dtype)
+            self.sampler(logits, torch.ones(cfg.max_num_seqs, device=self.device))  # compiles the sampling kernel
+            del logits
         cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         del self.kv_cache
         for attn in self.attn_layers:
@@ -157,11 +181,9 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------
 
-    def _prepare(self, scheduled: list[tuple[Sequence, int]], prev_sampled: torch.Tensor | None):
-        """Pack the step's new tokens: input_ids, positions and the attention Context (see Context),
-        plus the rows whose logits are sampled (the last new token of each sequence that reaches
-        its end this step). A PLACEHOLDER token takes its value from prev_sampled, the previous
-        step's sampled tokens on the device. Index math is vectorised over tokens."""
+    def _plan(self, scheduled: list[tuple[Sequence, int]]) -> tuple[StepPlan, list[Sequence]]:
+        """Pack the step's new tokens into a StepPlan; also returns the sequences sampled this step
+        (those whose last new token reaches their end), in row order. Index math is vectorised."""
         bs = self.block_size
         num_seqs = len(scheduled)
         starts = np.fromiter((seq.num_computed_tokens for seq, _ in scheduled), np.int64, num_seqs)
@@ -171,7 +193,7 @@ class ModelRunner:
         context_lens = starts + counts
         width = int(-(-context_lens.max() // bs))
         block_tables = np.full((num_seqs, width), -1, np.int64)
-        input_ids, pending = [], []  # pending: (token index, row of the previous step's sampled tokens)
+        input_ids, pending = [], []
         for i, (seq, n) in enumerate(scheduled):
             table = seq.block_table[:width]
             block_tables[i, :len(table)] = table
@@ -182,20 +204,31 @@ class ModelRunner:
         positions = np.arange(cu_q[-1]) - cu_q[seq_of_token] + starts[seq_of_token]
         slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
         samples = [(i, seq) for i, (seq, n) in enumerate(scheduled) if seq.num_computed_tokens + n == len(seq)]
-        sample_rows = cu_q[[i + 1 for i, _ in samples]] - 1
+        plan = StepPlan(np.array(input_ids, np.int64), np.array(pending, np.int64).reshape(-1, 2), positions, cu_q,
+                        context_lens, slot_mapping, block_tables, cu_q[[i + 1 for i, _ in samples]] - 1,
+                        bool((counts == 1).all()), int(counts.max()))
+        return plan, [seq for _, seq in samples]
 
+    def _to_device(self, plan: StepPlan, prev_sampled: torch.Tensor | None):
+        """input_ids, positions and the Context on the device. PLACEHOLDER ids take their value from
+        prev_sampled, the previous step's sampled tokens still on the device; under tensor
+        parallelism rank 0 then broadcasts the ids to the other ranks."""
         def dev(a, dtype):
             return torch.from_numpy(np.ascontiguousarray(a)).to(device=self.device, dtype=dtype, non_blocking=True)
 
-        ctx = Context(is_decode=bool((counts == 1).all()), cu_seqlens_q=dev(cu_q, torch.int32),
-                      max_seqlen_q=int(counts.max()), context_lens=dev(context_lens, torch.int32),
-                      slot_mapping=dev(slot_mapping, torch.int64),
-                      block_tables=dev(block_tables, torch.int32))
-        input_ids = torch.tensor(input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        if pending:  # tokens sampled by the previous step, still on the device
-            index, rows = torch.tensor(pending, dtype=torch.int64).to(self.device, non_blocking=True).unbind(1)
-            input_ids[index] = prev_sampled[rows]
-        return input_ids, dev(positions, torch.int64), ctx, dev(sample_rows, torch.int64), [seq for _, seq in samples]
+        ctx = Context(is_decode=plan.is_decode, cu_seqlens_q=dev(plan.cu_seqlens_q, torch.int32),
+                      max_seqlen_q=plan.max_seqlen_q, context_lens=dev(plan.context_lens, torch.int32),
+                      slot_mapping=dev(plan.slot_mapping, torch.int64), block_tables=dev(plan.block_tables, torch.int32))
+        if plan.input_ids is None:
+            input_ids = torch.empty(int(plan.cu_seqlens_q[-1]), dtype=torch.int64, device=self.device)
+        else:
+            input_ids = dev(plan.input_ids, torch.int64)
+            if len(plan.pending):
+                index, rows = dev(plan.pending, torch.int64).unbind(1)
+                input_ids[index] = prev_sampled[rows]
+        if self.world_size > 1:
+            dist.broadcast(input_ids, 0)
+        return input_ids, dev(plan.positions, torch.int64), ctx, dev(plan.sample_rows, torch.int64)
 
     def _prepare_sampling(self, seqs: list[Sequence]) -> dict:
         params = [seq.sampling_params for seq in seqs]
@@ -224,20 +257,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]], prev_sampled: torch.Tensor | None = None):
-        """Launch one step without waiting for it. Returns the sampled tokens (int64, on the device)
-        of the sequences that reach their end this step, in scheduled order, or None if none does."""
+        """Launch one step without waiting for it (rank 0). Returns the sampled tokens (int64, on
+        the device) of the sequences that reach their end this step, in scheduled order, or None."""
         with record_function("prepare_inputs"):
-            input_ids, positions, ctx, sample_rows, sample_seqs = self._prepare(scheduled, prev_sampled)
+            plan, sample_seqs = self._plan(scheduled)
+        if self.workers is None:
+            logits = self.execute(plan, prev_sampled)
+        else:
+            with self.workers.step_guard():
+                self.workers.send(replace(plan, input_ids=None, pending=None))
+                logits = self.execute(plan, prev_sampled)
+        if logits is None:
+            return None
+        with record_function("sampling"):
+            return self.sampler(logits, **self._prepare_sampling(sample_seqs))
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, prev_sampled: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Run the forward of one step on this rank; returns the logits of plan.sample_rows on rank 0
+        (None on the other ranks, or when no row is sampled)."""
+        with record_function("prepare_inputs"):
+            input_ids, positions, ctx, sample_rows = self._to_device(plan, prev_sampled)
         with record_function("forward"):
             hidden = self._forward(input_ids, positions, ctx)
             reset_context()
-        if not sample_seqs:
+        if not len(plan.sample_rows):
             return None
-        with record_function("sampling"):
-            if len(sample_seqs) < hidden.size(0):
+        with record_function("compute_logits"):
+            if len(plan.sample_rows) < hidden.size(0):
                 hidden = hidden[sample_rows]
-            logits = self.model.compute_logits(hidden)
-            return self.sampler(logits, **self._prepare_sampling(sample_seqs))
+            return self.model.compute_logits(hidden)
 
     def to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, object]:
         """Start copying `tokens` to the host; returns (host tensor, CUDA event to wait on, or None).
@@ -251,9 +300,18 @@ class ModelRunner:
         event.record()
         return host, event
 
+    def wait(self, event):
+        """Block until `event` (from to_host) has happened."""
+        if event is None:
+            return
+        if self.workers is None:
+            event.synchronize()
+        else:
+            self.workers.wait(event)
+
     def synchronize(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        if self.device.type == "cuda" and not (self.workers and self.workers.broken):
+            torch.cuda.synchronize()  # (a broken tensor-parallel group could hang it)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Context) -> torch.Tensor:
         num_tokens = input_ids.size(0)

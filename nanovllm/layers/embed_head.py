@@ -3,7 +3,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.linear import tp_rank_and_size
+from nanovllm.utils.distributed import tp_rank_and_size
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,21 +1,18 @@
 """Linear layers whose weights are sharded across tensor-parallel ranks (Megatron-LM layout).
 
 Column-parallel layers split the output features, row-parallel layers split the input
-features and all-reduce their partial sums. With one rank (no process group) they are
-plain linear layers. Each parameter carries a `weight_loader(param, loaded, shard_id)`
-that copies this rank's slice of a checkpoint tensor into it, so packed projections
-(q/k/v into one QKV, gate/up into one) are filled from separate checkpoint tensors.
+features and all-reduce their partial sums. With one rank they are plain linear layers; the
+rank and size come from `tp_rank_and_size()` at construction. Each parameter carries a
+`weight_loader(param, loaded, shard_id)` that copies this rank's slice of a checkpoint tensor
+into it, so packed projections (q/k/v into one QKV, gate/up into one) are filled from separate
+checkpoint tensors and no rank ever holds more than its shard.
 """
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-
-def tp_rank_and_size() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+from nanovllm.utils.distributed import tp_rank_and_size
 
 
 class LinearBase(nn.Module):
@@ -60,7 +57,8 @@ class ColumnParallelLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel projections of one input packed along the output dim (gate_up_proj)."""
+    """Several column-parallel projections of one input packed along the output dim (gate_up_proj);
+    output_sizes are the full (unsharded) sizes, in shard-id order."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
@@ -83,6 +81,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = num_heads // tp_size
         self.num_kv_heads = max(1, num_kv_heads // tp_size)
         self.kv_replicas = max(1, tp_size // num_kv_heads)
+        self.output_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]  # full q, k, v
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, out, bias)  # this rank's heads only
 

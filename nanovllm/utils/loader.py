@@ -1,8 +1,12 @@
-"""Copies checkpoint tensors (Hugging Face names) into the model's packed, possibly sharded parameters."""
-from collections.abc import Iterable
+"""Copies checkpoint tensors (Hugging Face names) into the model's packed, possibly sharded
+parameters, and makes the random checkpoint of load_format="dummy"."""
+import zlib
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
+
+from nanovllm.utils.distributed import tensor_parallel
 
 
 def _expected_shards(name: str, packed_modules_mapping: dict) -> set:
@@ -51,3 +55,32 @@ def _copy(param: nn.Parameter, tensor: torch.Tensor):
     if param.shape != tensor.shape:
         raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
     param.data.copy_(tensor)
+
+
+def dummy_weights(model_cls, hf_config, seed: int, device: torch.device,
+                  dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """A random checkpoint with the model's Hugging Face tensor names and full (unsharded)
+    shapes: N(0, initializer_range) matrices, ones for norm weights, zeros for biases. Each
+    tensor is drawn from a generator seeded by `seed` and its name, so every
+    tensor_parallel_size loads the same weights."""
+    with tensor_parallel(0, 1), torch.device("meta"):
+        full = model_cls(hf_config)
+    unpacked = {}  # packed fragment -> checkpoint fragments in shard order
+    for fragment, (packed, _) in full.packed_modules_mapping.items():
+        unpacked.setdefault(packed, []).append(fragment)
+    std = getattr(hf_config, "initializer_range", 0.02)
+    for name, param in full.named_parameters():
+        pieces = [(name, param.shape)]
+        for packed, fragments in unpacked.items():
+            if f".{packed}." in name:
+                sizes = full.get_submodule(name.rsplit(".", 1)[0]).output_sizes
+                pieces = [(name.replace(f".{packed}.", f".{f}."), (size, *param.shape[1:]))
+                          for f, size in zip(fragments, sizes)]
+        for piece, shape in pieces:
+            if piece.endswith("norm.weight"):
+                yield piece, torch.ones(shape, device=device, dtype=dtype)
+            elif piece.endswith("bias"):
+                yield piece, torch.zeros(shape, device=device, dtype=dtype)
+            else:
+                generator = torch.Generator(device).manual_seed(seed * 2**32 + zlib.crc32(piece.encode()))
+                yield piece, torch.empty(shape, device=device, dtype=dtype).normal_(0.0, std, generator=generator)

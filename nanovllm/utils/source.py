@@ -71,7 +71,7 @@ def _iter_safetensors(files: list[str]):
             raise ValueError(f"cannot read weights file {file}: {e}") from None
 
 
-def _gguf_source(file: str) -> ModelSource:
+def _gguf_source(file: str, tokenizer: bool) -> ModelSource:
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     folder, name = os.path.split(os.path.abspath(file))
@@ -86,11 +86,12 @@ def _gguf_source(file: str) -> ModelSource:
             skeleton = AutoModelForCausalLM.from_config(config)
         yield from load_gguf_checkpoint(file, return_tensors=True, model_to_load=skeleton)["tensors"].items()
 
-    return ModelSource(config, _load_tokenizer(folder, gguf_file=name), weights)
+    return ModelSource(config, _load_tokenizer(folder, gguf_file=name) if tokenizer else None, weights)
 
 
-def resolve_model(model: str, load_format: str = "auto") -> ModelSource:
-    """Resolve `model` (see the module docstring). Raises FileNotFoundError for a missing path or
+def resolve_model(model: str, load_format: str = "auto", tokenizer: bool = True) -> ModelSource:
+    """Resolve `model` (see the module docstring); tokenizer=False skips loading the tokenizer
+    (tensor-parallel workers need none). Raises FileNotFoundError for a missing path or
     weights, ValueError for an unknown load_format or an unreadable config."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
@@ -104,7 +105,7 @@ def resolve_model(model: str, load_format: str = "auto") -> ModelSource:
                                     f"load_format='dummy': {', '.join(sorted(BUILTIN_CONFIGS))}")
         return ModelSource(AutoConfig.from_pretrained(str(BUILTIN_CONFIGS[builtin])), None, None)
     if os.path.isfile(model) and (model.endswith(".gguf") or load_format == "gguf"):
-        return _gguf_source(model)
+        return _gguf_source(model, tokenizer)
     if not os.path.exists(model):
         model = _download(model)
     if not os.path.isdir(model):
@@ -116,11 +117,11 @@ def resolve_model(model: str, load_format: str = "auto") -> ModelSource:
     except Exception as e:
         raise ValueError(f"cannot read {os.path.join(model, 'config.json')}: {e}") from None
     model_class(config)  # an unsupported architecture fails before weights are looked for
-    tokenizer = _load_tokenizer(model)
+    tok = _load_tokenizer(model) if tokenizer else None
     if load_format == "dummy":
-        return ModelSource(config, tokenizer, None)
+        return ModelSource(config, tok, None)
     files = _safetensors_files(model)
-    return ModelSource(config, tokenizer, lambda: _iter_safetensors(files))
+    return ModelSource(config, tok, lambda: _iter_safetensors(files))
 
 
 def _download(repo_id: str) -> str:

@@ -1,0 +1,111 @@
+"""Tensor-parallel worker processes, and rank 0's handle on them.
+
+Rank r >= 1 runs in its own process with its own ModelRunner (its shard of the weights and
+of the KV heads, on GPU r or on the CPU) and executes the StepPlans that rank 0 pipes to it:
+a few small arrays per step (positions, slot mapping, block tables); the token ids reach it by
+a broadcast on the device. The processes exit when the engine is deleted, when the parent
+process dies (the kernel kills them), or when their pipe closes.
+"""
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+from nanovllm.config import Config
+from nanovllm.utils.distributed import die_with_parent, stop_processes
+
+
+def _worker_main(model: str, config: Config, max_model_len: int, rank: int, store_path: str, conn, parent_pid: int):
+    die_with_parent(parent_pid)
+    from nanovllm.engine.model_runner import ModelRunner
+    from nanovllm.utils.source import resolve_model
+    try:
+        runner = ModelRunner(config, resolve_model(model, config.load_format, tokenizer=False), max_model_len,
+                             rank=rank, store_path=store_path)
+        while (plan := conn.recv()) is not None:
+            runner.execute(plan)
+    except EOFError:
+        pass  # rank 0 is gone
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)  # skip interpreter teardown: a broken process group could hang it
+
+
+class TPWorkers:
+    """Starts ranks 1..tensor_parallel_size-1 and sends them each step's plan (rank 0 side)."""
+
+    def __init__(self, model: str, config: Config, max_model_len: int):
+        self.tmpdir = tempfile.mkdtemp(prefix="nanovllm-tp-")
+        self.store_path = os.path.join(self.tmpdir, "store")
+        self.broken: str | None = None  # why the ranks can no longer run steps together
+        ctx = mp.get_context("spawn")
+        self.procs, self.conns = [], []
+        for rank in range(1, config.tensor_parallel_size):
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_worker_main, name=f"nanovllm-tp{rank}", daemon=False,
+                               args=(model, config, max_model_len, rank, self.store_path, recv, os.getpid()))
+            proc.start()
+            recv.close()
+            self.procs.append(proc)
+            self.conns.append(send)
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self.tmpdir)
+
+    def check(self):
+        """Raise RuntimeError if a worker has died or the ranks are out of step."""
+        for rank, proc in enumerate(self.procs, 1):
+            if self.broken is None and proc.exitcode is not None:
+                self.broken = (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
+                               f"{proc.exitcode}; this engine cannot run more steps, create a new LLM")
+        if self.broken:
+            raise RuntimeError(self.broken)
+
+    def send(self, plan):
+        for conn in self.conns:
+            conn.send(plan)
+
+    @contextmanager
+    def step_guard(self):
+        """Wrap rank 0's launch of one step (sending the plan and running its forward). Ctrl-C is
+        held until the launch ends, so that every rank joins the same collectives; any error
+        inside leaves the ranks out of step, and is reported as a dead worker when one is."""
+        self.check()
+        interrupted = []
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True)) if in_main else None
+        try:
+            yield
+        except Exception as e:
+            time.sleep(0.05)  # let a dying worker's exit code arrive
+            try:
+                self.check()
+            except RuntimeError as dead:
+                raise dead from e
+            self.broken = f"a step failed on rank 0 after it was sent to the other ranks ({e}); create a new LLM"
+            raise
+        finally:
+            if in_main:
+                signal.signal(signal.SIGINT, previous)
+            if interrupted:
+                raise KeyboardInterrupt
+
+    def wait(self, event):
+        """Wait for a CUDA event, checking that the workers are alive (a dead rank would hang it)."""
+        while not event.query():
+            self.check()
+            time.sleep(1e-4)
+
+
+def _shutdown(procs, conns, tmpdir):
+    stop_processes(procs, conns, timeout=10)
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()  # NCCL's is left to process exit: its teardown was seen to hang
+    shutil.rmtree(tmpdir, ignore_errors=True)

@@ -1,0 +1,155 @@
+"""Tensor and data parallelism on CPU (gloo): TP=2 and DP=2 give the outputs of one engine, a
+killed worker or replica fails generate with a clear error instead of a hang, and nothing is
+left behind when the engine goes."""
+import gc
+import glob
+import os
+import signal
+import tempfile
+import time
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.data_parallel import DataParallelEngine
+from tests.conftest import make_tiny_model, random_prompts
+
+ARGS = dict(device="cpu", kvcache_block_size=16, max_model_len=128, max_num_batched_tokens=48)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def workload():
+    shared = random_prompts([40], seed=7)[0]  # later prompts hit the prefix cache; 70 > 48 is chunked
+    return random_prompts([5, 17, 70, 1, 33], seed=3) + [shared + p for p in random_prompts([3, 20], seed=4)]
+
+
+def completions(llm, prompts, params=GREEDY):
+    return [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_tensor_parallel_matches_one_rank(arch, load_format, tmp_path_factory):
+    path, _ = make_tiny_model(arch, tmp_path_factory)
+    prompts = workload()
+    expected = completions(LLM(path, load_format=load_format, **ARGS), prompts)
+    llm = LLM(path, load_format=load_format, tensor_parallel_size=2, **ARGS)
+    assert completions(llm, prompts) == expected
+    assert completions(llm, prompts[::-1]) == expected[::-1]  # second call: prefix hits everywhere
+    sampled = [SamplingParams(temperature=0.8, top_k=20, max_tokens=6, seed=i) for i in range(len(prompts))]
+    assert completions(llm, prompts, sampled) == completions(llm, prompts, sampled)  # seeded sampling repeats
+    workers = llm.model_runner.workers
+    procs, tmpdir = workers.procs, workers.tmpdir
+    del llm, workers
+    gc.collect()
+    assert all(p.exitcode == 0 for p in procs) and not os.path.exists(tmpdir)
+
+
+def test_data_parallel_matches_one_replica(tiny_qwen3):
+    prompts = workload() * 2
+    params = [SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True) for i in range(len(prompts))]
+    expected = completions(LLM(tiny_qwen3[0], **ARGS), prompts, params)
+    llm = LLM(tiny_qwen3[0], data_parallel_size=2, **ARGS)
+    assert isinstance(llm, DataParallelEngine)
+    parts = llm._split(llm.processor.to_sequences(prompts, params))
+    assert all(parts) and sorted(sum(parts, [])) == list(range(len(prompts)))
+    assert completions(llm, prompts, params) == expected
+    outputs = llm.generate(prompts[:3], params[:3], use_tqdm=False)  # a second, smaller call
+    assert [o.request_id for o in outputs] == [0, 1, 2] and [o.token_ids for o in outputs] == expected[:3]
+    with pytest.raises(ValueError, match="request 1: the prompt is empty"):
+        llm.generate([[1, 2], []], GREEDY)
+    assert llm.reset_prefix_cache()
+    procs = llm.procs
+    del llm
+    gc.collect()
+    assert all(p.exitcode == 0 for p in procs)
+
+
+def test_data_parallel_with_tensor_parallel(tiny_qwen3):
+    prompts = workload()
+    expected = completions(LLM(tiny_qwen3[0], **ARGS), prompts)
+    stores_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "nanovllm-tp-*")))
+    llm = LLM(tiny_qwen3[0], data_parallel_size=2, tensor_parallel_size=2, **ARGS)
+    assert completions(llm, prompts) == expected
+    procs = llm.procs
+    del llm
+    gc.collect()
+    assert all(p.exitcode == 0 for p in procs)
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "nanovllm-tp-*"))) == stores_before  # replicas cleaned up
+
+
+def test_killed_worker_fails_generate_quickly(tiny_qwen3):
+    llm = LLM(tiny_qwen3[0], tensor_parallel_size=2, **ARGS)
+    worker = llm.model_runner.workers.procs[0]
+    original, steps = llm.step, []
+
+    def step():
+        steps.append(1)
+        if len(steps) == 3:
+            os.kill(worker.pid, signal.SIGKILL)
+        return original()
+
+    llm.step = step
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"worker rank 1 \(pid {worker.pid}\) exited with code -9"):
+        llm.generate(workload(), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - start < 30
+    with pytest.raises(RuntimeError, match="create a new LLM"):  # refuses further work at once
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    tmpdir = llm.model_runner.workers.tmpdir
+    original = step = None  # noqa: F841 (breaks the reference to the engine)
+    del llm
+    gc.collect()
+    assert not os.path.exists(tmpdir)
+    assert completions(LLM(tiny_qwen3[0], tensor_parallel_size=2, **ARGS), [[1, 2, 3]])  # a new engine works
+
+
+def test_killed_replica_fails_generate(tiny_qwen3):
+    llm = LLM(tiny_qwen3[0], data_parallel_size=2, **ARGS)
+    os.kill(llm.procs[1].pid, signal.SIGKILL)
+    llm.procs[1].join()
+    with pytest.raises(RuntimeError, match=r"replica 1 \(pid \d+\) exited with code -9; create a new LLM"):
+        llm.generate(workload(), GREEDY, use_tqdm=False)
+
+
+def test_interrupts_leave_parallel_engines_usable(tiny_qwen3, monkeypatch):
+    prompts = workload()
+    expected = completions(LLM(tiny_qwen3[0], **ARGS), prompts)
+    tp = LLM(tiny_qwen3[0], tensor_parallel_size=2, **ARGS)
+    calls = []
+
+    def interrupting_sampler(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return sampler(*args, **kwargs)
+
+    sampler = tp.model_runner.sampler
+    tp.model_runner.sampler = interrupting_sampler
+    with pytest.raises(KeyboardInterrupt):
+        tp.generate(prompts, GREEDY, use_tqdm=False)
+    assert completions(tp, prompts) == expected
+    del tp
+    gc.collect()
+
+    dp = LLM(tiny_qwen3[0], data_parallel_size=2, **ARGS)
+    receive = dp._receive
+
+    def interrupting_receive(i, *args):
+        message = receive(i, *args)
+        if message[0] == "finished":
+            raise KeyboardInterrupt
+        return message
+
+    monkeypatch.setattr(dp, "_receive", interrupting_receive)
+    with pytest.raises(KeyboardInterrupt):
+        dp.generate(prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
+    monkeypatch.setattr(dp, "_receive", receive)
+    assert completions(dp, prompts) == expected
+
+
+def test_tensor_parallel_size_must_split_the_model(tiny_qwen3):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not split this model"):
+        LLM(tiny_qwen3[0], tensor_parallel_size=3, **ARGS)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        LLM(tiny_qwen3[0], tensor_parallel_size=0, **ARGS)
