@@ -24,14 +24,12 @@ from nanovllm.utils.source import resolve_model
 REPLY_TIMEOUT_S = 600  # the longest a replica may stay silent (one engine step, or its start-up)
 
 
-def _replica_main(model: str, engine_args: dict, gpus: str | None, conn, parent_pid: int):
+def _replica_main(model: str, engine_args: dict, conn, parent_pid: int):
     """One replica's loop. Messages in: ("generate", [(token ids, SamplingParams)]), ("abort",),
     ("reset_prefix_cache",), None (exit). Out: ("ready",) once; per call ("finished", n) after
     each step that finishes n requests, then ("done", [(completion ids, finish reason, cached
     tokens)]) or ("error", traceback); ("aborted",) answers every abort; ("reset", ok)."""
     die_with_parent(parent_pid)
-    if gpus is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpus  # before CUDA starts in this process
     from nanovllm.engine.llm_engine import LLMEngine
     try:
         engine = LLMEngine(model, **engine_args)
@@ -41,31 +39,35 @@ def _replica_main(model: str, engine_args: dict, gpus: str | None, conn, parent_
                 conn.send(("reset", engine.reset_prefix_cache()))
             elif message[0] == "abort":
                 conn.send(("aborted",))
-            else:
-                _replica_generate(engine, conn, [Sequence(ids, sp) for ids, sp in message[1]])
+            elif not _replica_generate(engine, conn, [Sequence(ids, sp) for ids, sp in message[1]]):
+                break
     except EOFError:
         pass  # the parent is gone
     except BaseException:
         conn.send(("error", traceback.format_exc()))
 
 
-def _replica_generate(engine, conn, seqs: list[Sequence]):
+def _replica_generate(engine, conn, seqs: list[Sequence]) -> bool:
+    """Run one call's requests; False if the parent asked the replica to exit meanwhile."""
     for seq in seqs:
         engine.scheduler.add(seq)
     try:
         while engine.has_unfinished_requests():
-            if conn.poll() and conn.recv()[0] == "abort":
+            if conn.poll():  # mid-call the parent only sends ("abort",) or None (shut down)
+                message = conn.recv()
                 engine.abort_all_requests()
-                conn.send(("aborted",))
-                return
+                if message is not None:
+                    conn.send(("aborted",))
+                return message is not None
             finished = engine.step()[0]
             if finished:
                 conn.send(("finished", len(finished)))
     except Exception:
         engine.abort_all_requests()
         conn.send(("error", traceback.format_exc()))
-        return
+        return True
     conn.send(("done", [(s.completion_token_ids, s.finish_reason, s.num_cached_tokens) for s in seqs]))
+    return True
 
 
 class DataParallelEngine:
@@ -84,10 +86,10 @@ class DataParallelEngine:
         self.procs, self.conns = [], []
         for group in gpus:
             conn, child = ctx.Pipe()
-            proc = ctx.Process(target=_replica_main, args=(model, replica_args, group, child, os.getpid()),
+            proc = ctx.Process(target=_replica_main, args=(model, replica_args, child, os.getpid()),
                                name=f"nanovllm-dp{len(self.procs)}", daemon=False)
             previous = os.environ.get("CUDA_VISIBLE_DEVICES")
-            if group is not None:  # the child must see it from its start: an import may initialise CUDA
+            if group is not None:  # the replica's GPUs, in its environment from its start (before any CUDA call)
                 os.environ["CUDA_VISIBLE_DEVICES"] = group
             try:
                 proc.start()

@@ -57,7 +57,7 @@ class TPWorkers:
             recv.close()
             self.procs.append(proc)
             self.conns.append(send)
-        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self.tmpdir)
+        weakref.finalize(self, _shutdown, self.procs, self.conns, self.tmpdir)
 
     def check(self):
         """Raise RuntimeError if a worker has died or the ranks are out of step."""
