@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
 # Everything the GPU must show, in one device call: kernel and engine tests, decode attention
-# bandwidth, bench.py. Logs go to $OUT (or ./gpu_logs).
+# bandwidth, bench.py. Logs go to $OUT (or ./gpu_logs). Stages: all (default), tests, bench,
+# parallel (two GPUs: TP/DP tests, tp_smoke.py, bench.py at TP 1/2 on Qwen3-8B and DP 1/2).
 set -uo pipefail
 out=${OUT:-gpu_logs}; mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
 stage=${1:-all}
 if [[ $stage == all || $stage == tests ]]; then
-  python -m pytest -q ${PYTEST_ARGS:-} ${TESTS:-tests/test_attention_kernels.py tests/test_gpu_engine.py} 2>&1 | tee "$out/tests.log" | tail -15
+  python -m pytest -q ${PYTEST_ARGS:-} ${TESTS:-tests/test_attention_kernels.py tests/test_gpu_engine.py tests/test_gpu_parallel.py} 2>&1 | tee "$out/tests.log" | tail -15
 fi
 if [[ $stage == all || $stage == bench ]]; then
   python benchmarks/decode_attention.py 2>&1 | tee "$out/decode_attention.log"
   python bench.py --json "$out/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | grep -v Warn | tail -${BENCH_TAIL:-5}
+fi
+if [[ $stage == parallel ]]; then
+  python -m pytest -q -s -o faulthandler_timeout=240 tests/test_gpu_parallel.py 2>&1 | tee "$out/parallel_tests.log" | tail -8
+  python benchmarks/tp_smoke.py 2>&1 | grep -v Warn | tee "$out/tp_smoke.log"
+  for run in "tp1 --model qwen3-8b --tp 1" "tp2 --model qwen3-8b --tp 2" "dp1" "dp2 --dp 2"; do
+    set -- $run
+    python bench.py --json "$out/$1.json" "${@:2}" 2>&1 | grep -v Warn | tee "$out/$1.log" | tail -1
+  done
 fi
