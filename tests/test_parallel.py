@@ -3,6 +3,7 @@ killed worker or replica fails generate with a clear error instead of a hang, an
 left behind when the engine goes."""
 import gc
 import glob
+import multiprocessing
 import os
 import signal
 import tempfile
@@ -153,3 +154,20 @@ def test_tensor_parallel_size_must_split_the_model(tiny_qwen3):
         LLM(tiny_qwen3[0], tensor_parallel_size=3, **ARGS)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(tiny_qwen3[0], tensor_parallel_size=0, **ARGS)
+
+
+def test_failed_start_leaves_nothing_behind(tiny_qwen3, tmp_path):
+    """Every rank refuses a checkpoint that lacks a tensor; the error reaches the caller and the
+    worker process and the rendezvous directory are gone."""
+    from tests.test_reliability import copy_model, edit_tensors
+    path = copy_model(tiny_qwen3[0], tmp_path / "m")
+    edit_tensors(path, lambda t: t.pop("model.layers.0.self_attn.k_proj.weight"))
+    stores_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "nanovllm-tp-*")))
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"lacks 1 tensor.*qkv_proj.weight \(shard k\)"):
+        LLM(str(path), tensor_parallel_size=2, **ARGS)
+    gc.collect()
+    assert time.monotonic() - start < 60
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "nanovllm-tp-*"))) == stores_before
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("nanovllm-")]
+    assert completions(LLM(tiny_qwen3[0], tensor_parallel_size=2, **ARGS), [[1, 2, 3]])  # the next engine starts
