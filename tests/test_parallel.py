@@ -28,13 +28,15 @@ def completions(llm, prompts, params=GREEDY):
     return [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
-@pytest.mark.parametrize("load_format", ["auto", "dummy"])
-def test_tensor_parallel_matches_one_rank(arch, load_format, tmp_path_factory):
+@pytest.mark.parametrize("arch,tp,load_format", [
+    ("qwen3", 2, "auto"), ("qwen3", 2, "dummy"), ("qwen2", 2, "auto"), ("qwen2", 2, "dummy"),
+    ("qwen3", 4, "auto"),  # 2 KV heads over 4 ranks: each KV head replicated on 2 ranks
+])
+def test_tensor_parallel_matches_one_rank(arch, tp, load_format, tmp_path_factory):
     path, _ = make_tiny_model(arch, tmp_path_factory)
     prompts = workload()
     expected = completions(LLM(path, load_format=load_format, **ARGS), prompts)
-    llm = LLM(path, load_format=load_format, tensor_parallel_size=2, **ARGS)
+    llm = LLM(path, load_format=load_format, tensor_parallel_size=tp, **ARGS)
     assert completions(llm, prompts) == expected
     assert completions(llm, prompts[::-1]) == expected[::-1]  # second call: prefix hits everywhere
     sampled = [SamplingParams(temperature=0.8, top_k=20, max_tokens=6, seed=i) for i in range(len(prompts))]
