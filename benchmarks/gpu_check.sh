@@ -16,6 +16,7 @@ if [[ $stage == all || $stage == bench ]]; then
 fi
 if [[ $stage == parallel ]]; then
   python -m pytest -q -s -o faulthandler_timeout=240 tests/test_gpu_parallel.py 2>&1 | tee "$out/parallel_tests.log" | tail -8
+  python benchmarks/tp_smoke.py --dtype float32 2>&1 | grep -v Warn | tee "$out/tp_smoke_fp32.log"
   python benchmarks/tp_smoke.py 2>&1 | grep -v Warn | tee "$out/tp_smoke.log"
   for run in "tp1 --model qwen3-8b --tp 1" "tp2 --model qwen3-8b --tp 2" "dp1" "dp2 --dp 2"; do
     set -- $run
