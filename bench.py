@@ -100,7 +100,7 @@ def run_nanovllm(args, prompts, max_tokens):
     if args.step_stats:
         llm.reset_prefix_cache()
         step_stats(llm, prompts, params)
-    return seconds, getattr(getattr(llm, "model_runner", None), "num_kvcache_blocks", None)
+    return seconds, llm.model_runner.num_kvcache_blocks if args.data_parallel_size == 1 else None
 
 
 def profile_steps(llm, prompts, params, out_dir, skip):
@@ -197,6 +197,8 @@ def main():
     p.add_argument("--repeat", type=int, default=1, help="time the workload this many times (the first is reported)")
     p.add_argument("--step-stats", action="store_true", help="print time per step kind and batch size")
     args = p.parse_args()
+    if args.data_parallel_size > 1 and (args.profile or args.step_stats):
+        p.error("--profile and --step-stats look inside one engine: use them with --data-parallel-size 1")
     if not torch.cuda.is_available():
         raise SystemExit("bench.py measures GPU throughput and needs a CUDA device")
 

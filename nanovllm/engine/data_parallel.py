@@ -118,16 +118,23 @@ class DataParallelEngine:
         conn, proc = self.conns[i], self.procs[i]
         deadline = time.monotonic() + timeout
         while not conn.poll(0.1):
-            if proc.exitcode is not None or time.monotonic() > deadline:
-                why = f"exited with code {proc.exitcode}" if proc.exitcode is not None else f"sent nothing for {timeout} s"
-                raise RuntimeError(f"data-parallel replica {i} (pid {proc.pid}) {why}; create a new LLM")
+            if proc.exitcode is not None:
+                raise self._dead(i)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"data-parallel replica {i} (pid {proc.pid}) sent nothing for {timeout} s")
         try:
             message = conn.recv()
-        except EOFError:
-            raise RuntimeError(f"data-parallel replica {i} (pid {proc.pid}) closed its pipe; create a new LLM") from None
+        except EOFError:  # it died
+            proc.join(5)
+            raise self._dead(i) from None
         if message[0] == "error":
             raise RuntimeError(f"data-parallel replica {i} failed:\n{message[1]}")
         return message
+
+    def _dead(self, i: int) -> RuntimeError:
+        proc = self.procs[i]
+        return RuntimeError(f"data-parallel replica {i} (pid {proc.pid}) exited with code {proc.exitcode}; "
+                            f"create a new LLM")
 
     def _split(self, seqs: list[Sequence]) -> list[list[int]]:
         """Request indices per replica: largest load (prompt + max_tokens) first, to the least loaded."""
@@ -147,8 +154,8 @@ class DataParallelEngine:
         seqs = self.processor.to_sequences(prompts, sampling_params)
         for i, proc in enumerate(self.procs):
             if proc.exitcode is not None:
-                raise RuntimeError(f"data-parallel replica {i} (pid {proc.pid}) exited with code {proc.exitcode}; "
-                                   f"create a new LLM")
+                self._receive(i)  # raises the error it left, if any
+                raise self._dead(i)
         parts = self._split(seqs)
         for conn, part in zip(self.conns, parts):
             conn.send(("generate", [(seqs[i].token_ids, seqs[i].sampling_params) for i in part]))
@@ -167,9 +174,6 @@ class DataParallelEngine:
                         seq = seqs[index]
                         seq.token_ids.extend(ids)
                         seq.finish_reason, seq.num_cached_tokens = reason, cached
-                for i in busy:  # a replica that died without a word
-                    if self.procs[i].exitcode is not None:
-                        self._receive(i)
         except BaseException:
             self._abort(busy)
             raise

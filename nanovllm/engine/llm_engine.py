@@ -36,11 +36,8 @@ class LLMEngine:
         check_tensor_parallel(source.hf_config, config.tensor_parallel_size)
         self.processor = processor = RequestProcessor(config, source)
         self.max_model_len, self.eos_token_ids = processor.max_model_len, processor.eos_token_ids
-        workers = store_path = None
-        if config.tensor_parallel_size > 1:
-            workers = TPWorkers(model, config, self.max_model_len)
-            store_path = workers.store_path
-        self.model_runner = ModelRunner(config, source, self.max_model_len, 0, store_path, workers)
+        workers = TPWorkers(model, config, self.max_model_len) if config.tensor_parallel_size > 1 else None
+        self.model_runner = ModelRunner(config, source, self.max_model_len, workers=workers)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)

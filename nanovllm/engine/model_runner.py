@@ -41,7 +41,7 @@ class ModelRunner:
     def __init__(self, config: Config, source: ModelSource, max_model_len: int, rank: int = 0,
                  store_path: str | None = None, workers=None):
         """rank, store_path: this process's tensor-parallel rank and the FileStore where the ranks
-        meet (tensor_parallel_size > 1); workers: rank 0's TPWorkers."""
+        meet (tensor_parallel_size > 1); workers: rank 0's TPWorkers (whose store_path it uses)."""
         self.config = config
         self.hf_config = hf_config = source.hf_config
         self.rank, self.world_size, self.workers = rank, config.tensor_parallel_size, workers
@@ -50,7 +50,7 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.set_device(rank)
                 self.device = torch.device("cuda", rank)
-            init_process_group(rank, self.world_size, store_path, self.device)
+            init_process_group(rank, self.world_size, store_path or workers.store_path, self.device)
         self.dtype = config.torch_dtype(hf_config)
         self.block_size = config.kvcache_block_size
         self.max_model_len = max_model_len
@@ -58,16 +58,17 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
+        cls = model_class(hf_config)
         try:
             with tensor_parallel(rank, self.world_size):
                 if self.device.type == "cuda":
-                    self._check_weights_fit(model_class(hf_config))
+                    self._check_weights_fit(cls)
                 with torch.device(self.device):
-                    self.model = model_class(hf_config)(hf_config)
+                    self.model = cls(hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
         weights = source.weights() if source.weights is not None else \
-            dummy_weights(model_class(hf_config), hf_config, config.seed, self.device, self.dtype)
+            dummy_weights(cls, hf_config, config.seed, self.device, self.dtype)
         load_weights(self.model, weights)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.backend = select_backend(config.attention_backend, self.device, self.attn_layers[0].head_dim)

@@ -32,8 +32,8 @@ class Sequence:
         self.num_hashed_blocks = 0  # leading blocks of block_table registered in the prefix cache
         self.sampling_params = sampling_params
         self.finish_reason: str | None = None
-        self.pending_row: int | None = None
-        self.generator = None  # torch.Generator of a request with a seed, made by the ModelRunner  # row of the PLACEHOLDER last token in the last step's sampled tokens
+        self.pending_row: int | None = None  # row of the PLACEHOLDER last token in the last step's sampled tokens
+        self.generator = None  # torch.Generator of a request with a seed, made by the ModelRunner
 
     def __len__(self):
         return len(self.token_ids)
