@@ -6,6 +6,9 @@ replica's smaller batches pick other GEMM kernels), which moves logits by ~1e-2 
 random-weight near-ties (benchmarks/tp_smoke.py prints how often); in float32 those moves are
 ~1e-6 and the greedy tokens must be identical."""
 import gc
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -38,3 +41,28 @@ def test_tensor_parallel_8b_matches_one_gpu():
 
 def test_data_parallel_matches_one_replica():
     assert greedy("Qwen/Qwen3-0.6B", data_parallel_size=2) == greedy("Qwen/Qwen3-0.6B")
+
+
+def test_tensor_parallel_engines_end_cleanly(tmp_path):
+    """A deleted TP engine leaves its NCCL group (a second one can start in the same process), and
+    a process that exits with a TP engine alive ends instead of hanging in NCCL's teardown."""
+    script = tmp_path / "two_engines.py"
+    script.write_text(textwrap.dedent("""
+        import gc
+        from nanovllm import LLM, SamplingParams
+
+        def run():
+            llm = LLM("Qwen/Qwen3-0.6B", load_format="dummy", tensor_parallel_size=2, gpu_memory_utilization=0.3)
+            params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            return llm, [o.token_ids for o in llm.generate([[1, 2, 3], list(range(100, 400))], params, use_tqdm=False)]
+
+        if __name__ == "__main__":
+            llm, first = run()
+            del llm
+            gc.collect()
+            llm, second = run()
+            print("same tokens:", first == second, flush=True)
+        """))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "same tokens: True" in result.stdout

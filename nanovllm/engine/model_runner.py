@@ -75,7 +75,7 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.backend = self.backend
         self.sampler = Sampler(config.seed)
-        self.graphs = {}
+        self.graphs = workers.graphs if workers else {}  # batch size -> CUDAGraph
         max_bs = config.max_num_seqs
         self.graph_batch_sizes = sorted({b for b in [1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs] if b <= max_bs})
         self.num_kvcache_blocks = self._allocate_kv_cache()
@@ -87,10 +87,12 @@ class ModelRunner:
 
     def _check_weights_fit(self, cls):
         """Raise MemoryError, before allocating anything, when the weights alone exceed the engine's
-        share of the GPU: gpu_memory_utilization x total memory, less what is already in use."""
+        share of the GPU: gpu_memory_utilization x total memory, less what is already in use (after
+        this process's allocator returns its cached free memory, e.g. a deleted LLM's)."""
         with torch.device("meta"):
             params = {id(p): p for p in cls(self.hf_config).parameters()}.values()
         need = sum(p.numel() for p in params) * self.dtype.itemsize
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         share = total * self.config.gpu_memory_utilization - (total - free)
         if need > share:

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.utils.distributed import die_with_parent, stop_processes
+from nanovllm.utils.distributed import die_with_parent, leave_process_group, stop_processes
 
 
 def _worker_main(model: str, config: Config, max_model_len: int, rank: int, store_path: str, conn, parent_pid: int):
@@ -32,6 +32,7 @@ def _worker_main(model: str, config: Config, max_model_len: int, rank: int, stor
                              rank=rank, store_path=store_path)
         while (plan := conn.recv()) is not None:
             runner.execute(plan)
+        leave_process_group(runner.graphs)  # rank 0 asked the ranks to stop, and leaves it too
     except EOFError:
         pass  # rank 0 is gone
     except BaseException:
@@ -47,6 +48,7 @@ class TPWorkers:
         self.tmpdir = tempfile.mkdtemp(prefix="nanovllm-tp-")
         self.store_path = os.path.join(self.tmpdir, "store")
         self.broken: str | None = None  # why the ranks can no longer run steps together
+        self.graphs = {}  # rank 0's CUDA graphs (its ModelRunner's): freed before the process group
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
         for rank in range(1, config.tensor_parallel_size):
@@ -57,7 +59,7 @@ class TPWorkers:
             recv.close()
             self.procs.append(proc)
             self.conns.append(send)
-        weakref.finalize(self, _shutdown, self.procs, self.conns, self.tmpdir)
+        weakref.finalize(self, _shutdown, self.procs, self.conns, self.tmpdir, self.graphs)
 
     def check(self):
         """Raise RuntimeError if a worker has died or the ranks are out of step."""
@@ -90,6 +92,7 @@ class TPWorkers:
             except RuntimeError as dead:
                 raise dead from e
             self.broken = f"a step failed on rank 0 after it was sent to the other ranks ({e}); create a new LLM"
+            stop_processes(self.procs, [], timeout=0)  # they may wait in a collective rank 0 never joins
             raise
         finally:
             if in_main:
@@ -104,8 +107,18 @@ class TPWorkers:
             time.sleep(1e-4)
 
 
-def _shutdown(procs, conns, tmpdir):
-    stop_processes(procs, conns, timeout=10)
-    if dist.is_initialized() and dist.get_backend() == "gloo":
-        dist.destroy_process_group()  # NCCL's is left to process exit: its teardown was seen to hang
+def _shutdown(procs, conns, tmpdir, graphs):
+    """Rank 0's end of the engine: the workers are told to stop and leave the process group, rank
+    0 leaves it with them, then they get 10 s to exit. When a worker has died, an NCCL group is
+    not destroyed (that could wait for the dead rank); process exit ends it."""
+    healthy = all(proc.exitcode is None for proc in procs)
+    for conn in conns:
+        try:
+            conn.send(None)
+            conn.close()
+        except OSError:
+            healthy = False  # that worker is gone
+    if dist.is_initialized() and (healthy or dist.get_backend() == "gloo"):
+        leave_process_group(graphs)
+    stop_processes(procs, [], timeout=10)
     shutil.rmtree(tmpdir, ignore_errors=True)

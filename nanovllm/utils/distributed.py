@@ -50,12 +50,24 @@ def init_process_group(rank: int, size: int, store_path: str, device: torch.devi
     """Join the engine's process group: NCCL on CUDA (one GPU per rank), gloo on CPU.
     Raises RuntimeError if this process already belongs to another engine's group."""
     if dist.is_initialized():
-        raise RuntimeError("this process already has a torch.distributed group: its own, or a tensor-parallel "
-                           "engine's (on GPU that NCCL group lasts until the process exits; on CPU until the LLM "
-                           "is deleted); run the next tensor-parallel engine in a new process")
+        raise RuntimeError("this process already has a torch.distributed group: its own, or a live "
+                           "tensor-parallel engine's (it leaves the group when the LLM is deleted); delete that "
+                           "LLM or destroy the group first, or use another process")
     store = dist.FileStore(store_path, size)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timedelta(minutes=10))
+
+
+def leave_process_group(graphs: dict):
+    """End this rank's part in the engine's process group: free its CUDA graphs (`graphs`, batch
+    size -> torch.cuda.CUDAGraph, emptied), then destroy the group. The order matters: NCCL's
+    communicator teardown waits forever while a graph that captured one of its collectives lives
+    (pytorch/pytorch#115388). Every rank calls it, together, when the engine ends."""
+    graphs.clear()
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def die_with_parent(parent_pid: int):
