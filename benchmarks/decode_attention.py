@@ -1,6 +1,7 @@
 """Decode attention alone: batch x context on Qwen3-0.6B's heads, K/V bytes read over kernel time,
 as a fraction of the measured device-to-device copy bandwidth."""
 import argparse
+import itertools
 
 import torch
 from triton.testing import do_bench
@@ -18,7 +19,11 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-sizes", type=int, nargs="+", default=[256, 16])
     p.add_argument("--varied", action="store_true", help="context lengths uniform in [100, 2 * context]; sweep splits")
+    p.add_argument("--sweep", type=int, nargs="*", metavar="BATCH",
+                   help="for these batch sizes (varied lengths, first block size): time every kernel configuration")
     args = p.parse_args()
+    if args.sweep:
+        return sweep(args)
     bandwidth = measure_bandwidth("cuda")
     for block_size in args.block_sizes:
         blocks_per_seq = -(-args.context // block_size)
@@ -45,6 +50,39 @@ def main():
                   f"block_size {block_size}, splits {splits or 'auto'}: {seconds * 1e6:.1f} us, "
                   f"{kv_bytes / seconds / 1e12:.2f} TB/s = {kv_bytes / seconds / bandwidth:.3f} of the copy "
                   f"bandwidth ({bandwidth / 1e12:.2f} TB/s)")
+
+
+def sweep(args):
+    """Per batch size, every (splits, BLOCK_N, num_warps, num_stages) on varied context lengths,
+    longest first; prints the engine's choice and the five fastest."""
+    bandwidth = measure_bandwidth("cuda")
+    block_size, max_len = args.block_sizes[0], 2 * args.context
+    for batch in args.sweep:
+        blocks_per_seq = -(-max_len // block_size)
+        k = torch.randn((batch * blocks_per_seq, block_size, args.num_kv_heads, args.head_dim), device="cuda",
+                        dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        tables = torch.randperm(k.size(0), device="cuda", dtype=torch.int32).view(batch, blocks_per_seq)
+        g = torch.Generator(device="cuda").manual_seed(batch)
+        lens = torch.randint(100, max_len, (batch,), dtype=torch.int32, device="cuda", generator=g)
+        lens = lens.sort(descending=True).values
+        q = torch.randn(batch, args.num_heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
+        kv_bytes = 2 * int(lens.sum()) * args.num_kv_heads * args.head_dim * 2
+        results = []
+        configs = [(None, 64, 4, 2), *itertools.product([1, 2, 4, 8], [64, 128], [4, 8], [2, 3, 4])]
+        for splits, block_n, warps, stages in configs:
+            try:
+                seconds = do_bench(lambda: decode_attention(q, k, v, lens, tables, args.head_dim ** -0.5, splits,
+                                                            block_n=block_n, num_warps=warps, num_stages=stages),
+                                   warmup=20, rep=100, return_mode="median") / 1e3
+            except Exception as e:  # e.g. out of shared memory
+                print(f"batch {batch} splits {splits} BLOCK_N {block_n} warps {warps} stages {stages}: {type(e).__name__}")
+                continue
+            results.append((seconds, splits, block_n, warps, stages))
+        best = sorted(results, key=lambda r: r[0])[:5]
+        for name, (seconds, splits, block_n, warps, stages) in [("engine", results[0]), *(("best", r) for r in best)]:
+            print(f"batch {batch} {name}: splits {splits or 'auto'} BLOCK_N {block_n} warps {warps} stages {stages}: "
+                  f"{seconds * 1e6:.1f} us, {kv_bytes / seconds / bandwidth:.3f} of the copy bandwidth", flush=True)
 
 
 if __name__ == "__main__":

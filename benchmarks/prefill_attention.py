@@ -6,7 +6,8 @@ import argparse
 import torch
 from triton.testing import do_bench
 
-from nanovllm.layers.attention.triton_backend import prefill_attention, store_kvcache
+from nanovllm.layers.attention.torch_backend import TorchBackend
+from nanovllm.layers.attention.triton_backend import prefill_attention
 
 
 def main():
@@ -24,7 +25,7 @@ def main():
     positions = torch.arange(L, device="cuda")
     slots = (tables.long()[:, positions // bs] * bs + positions % bs).flatten()
     k = torch.randn(n * L, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    store_kvcache(k, torch.randn_like(k), k_cache, v_cache, slots)
+    TorchBackend.store_kvcache(k, torch.randn_like(k), k_cache, v_cache, slots)
     q = torch.randn(n * L, heads, head_dim, device="cuda", dtype=torch.bfloat16)
     cu = torch.arange(0, n * L + 1, L, device="cuda", dtype=torch.int32)
     lens = torch.full((n,), L, device="cuda", dtype=torch.int32)

@@ -25,6 +25,17 @@ def test_batch_of_mixed_lengths(tiny_model):
     assert len({tuple(o.token_ids) for o in outs}) > 1  # the model is not degenerate
 
 
+def test_triton_backend_in_the_interpreter(tiny_model):
+    """The Triton kernels (fused norm + rope + K/V store, paged prefill and decode attention) through
+    the whole engine, with chunked prefill and a prefix hit, in Triton's interpreter on CPU."""
+    path, hf_model = tiny_model
+    llm = LLM(path, kvcache_block_size=16, max_num_batched_tokens=24, attention_backend="triton", device="cpu")
+    assert llm.model_runner.backend.name == "triton"
+    shared = random_prompts([33], seed=5)[0]
+    check_against_hf(llm, hf_model, [shared + [1], *random_prompts([5, 40], seed=6)])
+    assert check_against_hf(llm, hf_model, [shared + [2, 3]])[0].num_cached_tokens == 32
+
+
 def test_chunked_prefill(tiny_model):
     path, hf_model = tiny_model
     llm = LLM(path, kvcache_block_size=16, max_num_batched_tokens=24, device="cpu")

@@ -28,15 +28,17 @@ def completions(llm, prompts, params=GREEDY):
     return [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("arch,tp,load_format", [
-    ("qwen3", 2, "auto"), ("qwen3", 2, "dummy"), ("qwen2", 2, "auto"), ("qwen2", 2, "dummy"),
-    ("qwen3", 4, "auto"),  # 2 KV heads over 4 ranks: each KV head replicated on 2 ranks
+@pytest.mark.parametrize("arch,tp,load_format,backend", [
+    ("qwen3", 2, "auto", "torch"), ("qwen3", 2, "dummy", "torch"), ("qwen2", 2, "auto", "torch"),
+    ("qwen2", 2, "dummy", "torch"),
+    ("qwen3", 4, "auto", "torch"),  # 2 KV heads over 4 ranks: each KV head replicated on 2 ranks
+    ("qwen3", 2, "auto", "triton"),  # the Triton kernels in the interpreter on each rank's heads
 ])
-def test_tensor_parallel_matches_one_rank(arch, tp, load_format, tmp_path_factory):
+def test_tensor_parallel_matches_one_rank(arch, tp, load_format, backend, tmp_path_factory):
     path, _ = make_tiny_model(arch, tmp_path_factory)
     prompts = workload()
     expected = completions(LLM(path, load_format=load_format, **ARGS), prompts)
-    llm = LLM(path, load_format=load_format, tensor_parallel_size=tp, **ARGS)
+    llm = LLM(path, load_format=load_format, tensor_parallel_size=tp, attention_backend=backend, **ARGS)
     assert completions(llm, prompts) == expected
     assert completions(llm, prompts[::-1]) == expected[::-1]  # second call: prefix hits everywhere
     sampled = [SamplingParams(temperature=0.8, top_k=20, max_tokens=6, seed=i) for i in range(len(prompts))]

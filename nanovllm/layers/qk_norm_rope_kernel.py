@@ -1,6 +1,7 @@
 """One Triton pass over each token's q and k heads, in place: optional per-head RMSNorm (Qwen3's
-q_norm/k_norm) then rotary embedding in the rotate-half layout. Replaces four elementwise kernels
-(two norms, two rotations) that each read and wrote q or k."""
+q_norm/k_norm) then rotary embedding in the rotate-half layout, and optionally the token's k and
+v written into the paged KV cache. Replaces six kernels (two norms, two rotations, the cache
+store) that each read and wrote q, k or v."""
 import torch
 import triton
 import triton.language as tl
@@ -23,33 +24,59 @@ def _norm_rope_heads(x_ptr, row, weight_ptr, cos, sin, eps, NUM_HEADS: tl.conste
         x1 = ((f1 * inv_rms).to(dtype) * tl.load(weight_ptr + d)).to(dtype)
         x2 = ((f2 * inv_rms).to(dtype) * tl.load(weight_ptr + HALF + d)).to(dtype)
     cos, sin = cos.to(dtype), sin.to(dtype)
-    tl.store(ptr, ((x1 * cos).to(dtype) - (x2 * sin).to(dtype)).to(dtype), mask=mask)
-    tl.store(ptr + HALF, ((x2 * cos).to(dtype) + (x1 * sin).to(dtype)).to(dtype), mask=mask)
+    y1 = ((x1 * cos).to(dtype) - (x2 * sin).to(dtype)).to(dtype)
+    y2 = ((x2 * cos).to(dtype) + (x1 * sin).to(dtype)).to(dtype)
+    tl.store(ptr, y1, mask=mask)
+    tl.store(ptr + HALF, y2, mask=mask)
+    return y1, y2
 
 
 @triton.jit
 def qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, stride_q, stride_k, eps,
+                        v_ptr, stride_v, k_cache_ptr, v_cache_ptr, slot_ptr,
                         NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, Q_PAD: tl.constexpr,
-                        K_PAD: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
-    """Grid (num_tokens,)."""
+                        K_PAD: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr):
+    """Grid (num_tokens,). With STORE, also k (rotated) and v into the caches at the token's slot
+    (slot_mapping; -1 skips): the cache row of a slot is its num_kv_heads * head_dim values."""
     t = tl.program_id(0)
     pos = tl.load(positions_ptr + t)
     d = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + d)
     sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + d)
     _norm_rope_heads(q_ptr, t.to(tl.int64) * stride_q, q_weight_ptr, cos, sin, eps, NUM_Q_HEADS, Q_PAD, HALF, NORM)
-    _norm_rope_heads(k_ptr, t.to(tl.int64) * stride_k, k_weight_ptr, cos, sin, eps, NUM_K_HEADS, K_PAD, HALF, NORM)
+    k1, k2 = _norm_rope_heads(k_ptr, t.to(tl.int64) * stride_k, k_weight_ptr, cos, sin, eps, NUM_K_HEADS, K_PAD,
+                              HALF, NORM)
+    if STORE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            heads = tl.arange(0, K_PAD)[:, None]
+            mask = heads < NUM_K_HEADS
+            row = slot * (NUM_K_HEADS * 2 * HALF) + heads * (2 * HALF) + d
+            tl.store(k_cache_ptr + row, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(k_cache_ptr + row + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            v_row = v_ptr + t.to(tl.int64) * stride_v + heads * (2 * HALF) + d
+            v1 = tl.load(v_row, mask=mask)
+            v2 = tl.load(v_row + HALF, mask=mask)
+            tl.store(v_cache_ptr + row, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_cache_ptr + row + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
-                 q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6):
+                 q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                 kv_cache: tuple | None = None):
     """In place on q: [T, num_heads, head_dim] and k: [T, num_kv_heads, head_dim] (heads contiguous,
     tokens may be strided, e.g. views of the packed qkv); positions [T] int64; cos_sin_cache
-    [max_position, head_dim] float32 (cos | sin). Norm weights [head_dim], both or neither."""
+    [max_position, head_dim] float32 (cos | sin). Norm weights [head_dim], both or neither.
+    kv_cache: None, or (v [T, num_kv_heads, head_dim], k_cache, v_cache, slot_mapping [T]) to also
+    write the rotated k and v into the caches [num_blocks, block_size, num_kv_heads, head_dim]."""
     assert q.stride(2) == k.stride(2) == 1 and q.stride(1) == k.stride(1) == q.size(2)
-    norm = q_weight is not None
+    norm, store = q_weight is not None, kv_cache is not None
+    v, k_cache, v_cache, slots = kv_cache if store else (k, k, k, positions)
+    assert not store or (v.stride(2) == 1 and v.stride(1) == v.size(2) and k_cache.is_contiguous()
+                         and v_cache.is_contiguous() and k_cache.shape[2:] == k.shape[1:])
     qk_norm_rope_kernel[(q.size(0),)](
         q, k, positions, cos_sin_cache, q_weight if norm else q, k_weight if norm else k, q.stride(0), k.stride(0), eps,
+        v, v.stride(0), k_cache, v_cache, slots,
         NUM_Q_HEADS=q.size(1), NUM_K_HEADS=k.size(1), Q_PAD=triton.next_power_of_2(q.size(1)),
-        K_PAD=triton.next_power_of_2(k.size(1)), HALF=q.size(2) // 2, NORM=norm, num_warps=4)
+        K_PAD=triton.next_power_of_2(k.size(1)), HALF=q.size(2) // 2, NORM=norm, STORE=store, num_warps=4)
     return q, k

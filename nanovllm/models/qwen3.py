@@ -34,7 +34,7 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else None
-        q, k = self.rotary_emb(positions, q, k, norms)
+        q, k = self.rotary_emb(positions, q, k, norms, kv_cache=self.attn.fused_store_args(v))
         return self.o_proj(self.attn(q, k, v))
 
 

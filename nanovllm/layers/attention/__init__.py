@@ -1,9 +1,10 @@
 """Paged attention behind one narrow interface.
 
-A backend has `store_kvcache(k, v, k_cache, v_cache, slot_mapping)` and
-`forward(q, k_cache, v_cache, ctx, scale) -> o`; keys and values are always read back from
-the paged cache [num_blocks, block_size, num_kv_heads, head_dim], so prefix-cache hits,
-chunked prefill and decode are one code path.
+A backend has `forward(q, k_cache, v_cache, ctx, scale) -> o` and either
+`store_kvcache(k, v, k_cache, v_cache, slot_mapping)` or `fused_kv_store = True`, when the
+q/k-norm + rope kernel writes K/V into the cache instead (one kernel fewer per layer). Keys and
+values are always read back from the paged cache [num_blocks, block_size, num_kv_heads,
+head_dim], so prefix-cache hits, chunked prefill and decode are one code path.
 """
 import importlib.util
 
@@ -49,11 +50,20 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend = TorchBackend
 
+    def fused_store_args(self, v: torch.Tensor):
+        """The kv_cache argument of RotaryEmbedding.forward: (v, k_cache, v_cache, slot_mapping)
+        when the backend leaves the K/V store to the rope kernel, else None."""
+        if not self.backend.fused_kv_store:
+            return None
+        return v.view(-1, self.num_kv_heads, self.head_dim), self.k_cache, self.v_cache, get_context().slot_mapping
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """k, v are written into the cache here unless the rope kernel already did (fused_store_args)."""
         ctx = get_context()
         q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        if not self.backend.fused_kv_store:
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         o = self.backend.forward(q, self.k_cache, self.v_cache, ctx, self.scale)
         return o.view(-1, self.num_heads * self.head_dim)

@@ -8,6 +8,7 @@ from nanovllm.utils.context import Context
 class TorchBackend:
     name = "torch"
     supports_cuda_graphs = False  # forward reads sequence lengths on the host
+    fused_kv_store = False
 
     @staticmethod
     def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

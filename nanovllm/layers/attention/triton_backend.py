@@ -5,19 +5,10 @@ import torch
 import triton
 
 from nanovllm.layers.attention.triton_kernels import (LOG2E, decode_attention_kernel, prefill_attention_kernel,
-                                                      reduce_splits_kernel, store_kvcache_kernel)
+                                                      reduce_splits_kernel)
 from nanovllm.utils.context import Context
 
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, DECODE_BLOCK_N = 64, 64, 64
-
-
-def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor):
-    """k, v: [T, num_kv_heads, head_dim] (each token's heads contiguous) into the caches at slot_mapping [T]; -1 skips."""
-    row = k.size(1) * k.size(2)
-    assert k.stride(1) == v.stride(1) == k.size(2) and k.stride(2) == v.stride(2) == 1
-    store_kvcache_kernel[(k.size(0),)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-                                       ROW=row, BLOCK=triton.next_power_of_2(row))
 
 
 def _cache_strides(k_cache: torch.Tensor):
@@ -49,14 +40,17 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) ->
     """Splits of each context so that at least 8 programs per SM run at any batch size (flash-decoding).
     On an H200 with lengths of 100..2000 tokens: batch 64 reads K/V at 0.63 of the copy bandwidth
     with 1 split, 0.67 with 2, 0.70 with 4, 0.71 with 8; batch 256 at 0.88 with 1 or 2 splits,
-    0.83 with 4 (benchmarks/decode_attention.py --varied)."""
+    0.83 with 4 (benchmarks/decode_attention.py --varied). A sweep of splits, BLOCK_N and stages
+    (--sweep) found faster choices for batches of 32-128 alone (e.g. batch 32: 0.64 with 2 splits,
+    BLOCK_N 128, 3-4 stages, against 0.38), but bench.py did not move with them (NOTES.md)."""
     if device.type != "cuda":
         return 1
     programs = num_seqs * num_kv_heads
     return min(64, triton.next_power_of_2(max(1, -(-8 * _num_sms(device.index or 0) // programs))))
 
 
-def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num_splits=None, out=None):
+def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num_splits=None, out=None,
+                     block_n=DECODE_BLOCK_N, num_warps=4, num_stages=2):
     """Attention of one new token per sequence, q: [num_seqs, num_heads, head_dim], over its
     context_lens[i] cached keys; context length 0 gives zeros (padding rows of CUDA graphs)."""
     out = torch.empty_like(q) if out is None else out
@@ -72,7 +66,7 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num
         q, k_cache, v_cache, out, acc, ml, context_lens, block_tables, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.size(1),
-        BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=splits, num_warps=4, num_stages=2)
+        BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         reduce_splits_kernel[(num_seqs, num_heads)](out, acc, ml, out.stride(0), out.stride(1),
                                                     HEAD_DIM=head_dim, NUM_SPLITS=splits)
@@ -82,12 +76,11 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num
 class TritonBackend:
     name = "triton"
     supports_cuda_graphs = True  # launch shapes depend only on the batch size
+    fused_kv_store = True  # qk_norm_rope_kernel writes K/V into the cache
 
     @staticmethod
     def supports(head_dim: int) -> bool:
         return head_dim >= 16 and head_dim & (head_dim - 1) == 0
-
-    store_kvcache = staticmethod(store_kvcache)
 
     @staticmethod
     def forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, scale: float) -> torch.Tensor:

@@ -12,22 +12,6 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_k, stride_v,
-                         ROW: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per token: copy its ROW = num_kv_heads * head_dim values of k and v to its slot."""
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t)
-    if slot < 0:
-        return
-    offs = tl.arange(0, BLOCK)
-    mask = offs < ROW
-    k = tl.load(k_ptr + t * stride_k + offs, mask=mask)
-    v = tl.load(v_ptr + t * stride_v + offs, mask=mask)
-    tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_n, in_range, valid, offs_d,
                  scale_log2, BLOCK_SIZE: tl.constexpr, stride_kb, stride_kt, stride_kh):
     """Fold one tile of keys (positions offs_n [N], loaded where in_range [N]; `valid` [M, N] says
