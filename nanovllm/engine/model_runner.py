@@ -354,6 +354,10 @@ class ModelRunner:
                 v["outputs"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])
             pool = graph.pool()
             self.graphs[bs] = graph
+            # One-time costs of a batch size, paid here rather than in the first generate: a graph's
+            # first replay uploads it, and CUDA loads the LM head's GEMM kernel for it lazily.
+            graph.replay()
+            self.model.compute_logits(v["outputs"][:bs])
             torch.cuda.synchronize()
         reset_context()
 
