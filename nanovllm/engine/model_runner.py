@@ -76,6 +76,7 @@ class ModelRunner:
             layer.backend = self.backend
         self.sampler = Sampler(config.seed)
         self.graphs = workers.graphs if workers else {}  # batch size -> CUDAGraph
+        self._staging: dict[torch.dtype, list] = {}  # dtype -> two [pinned buffer, event] (see _upload)
         max_bs = config.max_num_seqs
         self.graph_batch_sizes = sorted({b for b in [1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs] if b <= max_bs})
         self.num_kvcache_blocks = self._allocate_kv_cache()
@@ -216,22 +217,46 @@ class ModelRunner:
         """input_ids, positions and the Context on the device. PLACEHOLDER ids take their value from
         prev_sampled, the previous step's sampled tokens still on the device; under tensor
         parallelism rank 0 then broadcasts the ids to the other ranks."""
-        def dev(a, dtype):
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device=self.device, dtype=dtype, non_blocking=True)
-
-        ctx = Context(is_decode=plan.is_decode, cu_seqlens_q=dev(plan.cu_seqlens_q, torch.int32),
-                      max_seqlen_q=plan.max_seqlen_q, context_lens=dev(plan.context_lens, torch.int32),
-                      slot_mapping=dev(plan.slot_mapping, torch.int64), block_tables=dev(plan.block_tables, torch.int32))
+        cu_seqlens_q, context_lens, block_tables = self._upload(
+            [plan.cu_seqlens_q, plan.context_lens, plan.block_tables], torch.int32)
+        ids = [] if plan.input_ids is None else [plan.input_ids, plan.pending]
+        positions, slot_mapping, sample_rows, *ids = self._upload(
+            [plan.positions, plan.slot_mapping, plan.sample_rows, *ids], torch.int64)
+        ctx = Context(is_decode=plan.is_decode, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=plan.max_seqlen_q,
+                      context_lens=context_lens, slot_mapping=slot_mapping, block_tables=block_tables)
         if plan.input_ids is None:
             input_ids = torch.empty(int(plan.cu_seqlens_q[-1]), dtype=torch.int64, device=self.device)
         else:
-            input_ids = dev(plan.input_ids, torch.int64)
+            input_ids, pending = ids
             if len(plan.pending):
-                index, rows = dev(plan.pending, torch.int64).unbind(1)
+                index, rows = pending.unbind(1)
                 input_ids[index] = prev_sampled[rows]
         if self.world_size > 1:
             dist.broadcast(input_ids, 0)
-        return input_ids, dev(plan.positions, torch.int64), ctx, dev(plan.sample_rows, torch.int64)
+        return input_ids, positions, ctx, sample_rows
+
+    def _upload(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
+        """The host arrays on the device as `dtype`, in one transfer. On CUDA they are packed into
+        one of two pinned buffers per dtype, used in turn, and copied asynchronously; a buffer is
+        refilled only after its last copy has run (its event), since steps that sample nothing
+        (prompt chunks) and tensor-parallel workers may run ahead of the GPU."""
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        if self.device.type != "cuda":
+            flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays]).astype(np.int64)).to(dtype)
+        else:
+            if dtype not in self._staging:
+                self._staging[dtype] = [[torch.empty(0, dtype=dtype), torch.cuda.Event()] for _ in range(2)]
+            slots = self._staging[dtype]
+            slots.reverse()
+            slot = slots[0]
+            slot[1].synchronize()
+            if slot[0].numel() < total:  # grows during the start-up warm-up (the largest step), rarely later
+                slot[0] = torch.empty(2 * total, dtype=dtype, pin_memory=True)
+            np.concatenate([a.ravel() for a in arrays], out=slot[0].numpy()[:total])
+            flat = slot[0][:total].to(self.device, non_blocking=True)
+            slot[1].record()
+        return [t.view(a.shape) for t, a in zip(flat.split(sizes), arrays)]
 
     def _prepare_sampling(self, seqs: list[Sequence]) -> dict:
         params = [seq.sampling_params for seq in seqs]
