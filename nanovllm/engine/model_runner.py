@@ -239,11 +239,14 @@ class ModelRunner:
         """The host arrays on the device as `dtype`, in one transfer. On CUDA they are packed into
         one of two pinned buffers per dtype, used in turn, and copied asynchronously; a buffer is
         refilled only after its last copy has run (its event), since steps that sample nothing
-        (prompt chunks) and tensor-parallel workers may run ahead of the GPU."""
-        sizes = [a.size for a in arrays]
-        total = sum(sizes)
+        (prompt chunks) and tensor-parallel workers may run ahead of the GPU. Every array starts
+        16-byte aligned: Triton compiles a kernel anew for a pointer that is not."""
+        align = 16 // dtype.itemsize
+        starts = np.cumsum([0] + [-(-a.size // align) * align for a in arrays])
+        total = int(starts[-1])
         if self.device.type != "cuda":
-            flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays]).astype(np.int64)).to(dtype)
+            flat = torch.empty(total, dtype=dtype)
+            host = flat.numpy()
         else:
             if dtype not in self._staging:
                 self._staging[dtype] = [[torch.empty(0, dtype=dtype), torch.cuda.Event()] for _ in range(2)]
@@ -253,10 +256,13 @@ class ModelRunner:
             slot[1].synchronize()
             if slot[0].numel() < total:  # grows during the start-up warm-up (the largest step), rarely later
                 slot[0] = torch.empty(2 * total, dtype=dtype, pin_memory=True)
-            np.concatenate([a.ravel() for a in arrays], out=slot[0].numpy()[:total])
+            host = slot[0].numpy()
+        for a, start in zip(arrays, starts):
+            host[start:start + a.size] = a.ravel()
+        if self.device.type == "cuda":
             flat = slot[0][:total].to(self.device, non_blocking=True)
             slot[1].record()
-        return [t.view(a.shape) for t, a in zip(flat.split(sizes), arrays)]
+        return [flat[start:start + a.size].view(a.shape) for a, start in zip(arrays, starts)]
 
     def _prepare_sampling(self, seqs: list[Sequence]) -> dict:
         params = [seq.sampling_params for seq in seqs]
