@@ -17,8 +17,9 @@ from random import randint, seed
 
 import torch
 
+from nanovllm.loader.source import read_hf_config, resolve_path
 from nanovllm.models.registry import model_class
-from nanovllm.utils.source import resolve_model
+
 
 def measure_bandwidth(device) -> float:
     """Bytes/s of a large device-to-device copy, counting bytes read plus bytes written."""
@@ -100,21 +101,27 @@ def run_nanovllm(args, prompts, max_tokens):
     if args.step_stats:
         llm.reset_prefix_cache()
         step_stats(llm, prompts, params)
-    return seconds, llm.model_runner.num_kvcache_blocks if args.data_parallel_size == 1 else None
+    return seconds, llm.engine.model_runner.num_kvcache_blocks if args.data_parallel_size == 1 else None
+
+
+def add_requests(engine, prompts, params):
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"bench-{i}", prompt, sp)
 
 
 def profile_steps(llm, prompts, params, out_dir, skip):
     """Chrome trace of 6 steps of the workload after `skip` steps (then the engine is reset)."""
     from torch.profiler import ProfilerActivity, profile
     os.makedirs(out_dir, exist_ok=True)
-    llm.add_requests(prompts, params)
+    engine = llm.engine
+    add_requests(engine, prompts, params)
     for _ in range(skip):
-        llm.step()
+        engine.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(6):
-            llm.step()
+            engine.step()
         torch.cuda.synchronize()
-    llm.abort_all_requests()
+    engine.abort_all_requests()
     path = os.path.join(out_dir, "trace.json")
     prof.export_chrome_trace(path)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
@@ -124,14 +131,16 @@ def profile_steps(llm, prompts, params, out_dir, skip):
 def step_stats(llm, prompts, params):
     """Run the workload step by step and print where the wall time goes: prefill-carrying steps,
     and decode steps grouped by batch size, with the KV bytes they read."""
-    llm.add_requests(prompts, params)
-    kv_per_token = llm.model_runner.kv_cache[:, :, 0, 0].numel() * llm.model_runner.dtype.itemsize
+    engine = llm.engine
+    add_requests(engine, prompts, params)
+    kv_per_token = engine.model_runner.kv_spec.block_bytes // engine.model_runner.kv_spec.block_size
     rows = {}
-    while llm.has_unfinished_requests():
-        running = list(llm.scheduler.running)
+    while engine.has_unfinished_requests():
+        running = list(engine.scheduler.running)
         t = time.perf_counter()
-        _, num_prefill, num_decode = llm.step()
+        engine.step()
         dt = time.perf_counter() - t
+        num_prefill, num_decode = engine.num_prefill_tokens, engine.num_decode_tokens
         key = "prefill" if num_prefill else f"decode bs {min(256, 32 * (1 + (num_decode - 1) // 32))}"
         kv = sum(seq.num_computed_tokens for seq in running) * kv_per_token
         r = rows.setdefault(key, [0, 0.0, 0])
@@ -146,7 +155,7 @@ def run_transformers(args, prompts, max_tokens):
     --hf-batch-size prompts, left-padded, sampling to the batch's largest max_tokens; only the
     requested tokens of each sequence are counted."""
     from transformers import AutoModelForCausalLM
-    config = resolve_model(args.model, args.load_format).hf_config
+    config = read_hf_config(*resolve_path(args.model, args.load_format))
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     pad = 0
@@ -207,7 +216,7 @@ def main():
     torch.cuda.empty_cache()  # leave GPU 0 to the engine
     run = run_nanovllm if args.engine == "nanovllm" else run_transformers
     seconds, num_blocks = run(args, prompts, max_tokens)
-    hf_config = resolve_model(args.model, args.load_format, tokenizer=False).hf_config
+    hf_config = read_hf_config(*resolve_path(args.model, args.load_format))
     with torch.device("meta"):
         params = {id(t): t for t in model_class(hf_config)(hf_config).parameters()}.values()
     param_bytes = sum(t.numel() for t in params) * 2  # bf16

@@ -7,7 +7,7 @@ there is one.
 import argparse
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.demo import demo_model_path
+from nanovllm.loader.demo import demo_model_path
 
 PROMPTS = [
     "Introduce yourself in one sentence.",

@@ -1,4 +1,4 @@
-from nanovllm.engine.requests import RequestOutput
+from nanovllm.outputs import RequestOutput
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 

@@ -1,13 +1,28 @@
-"""Engine arguments; names and meanings follow vLLM's EngineArgs."""
-from dataclasses import dataclass
+"""Engine arguments (vLLM's names and meanings), validated and resolved once into a frozen Config.
+
+`Config.create(model, **engine_args)` is the one place where every option is checked and every
+"auto" is decided: the model's local path and load format, its Hugging Face config and
+tokenizer, dtype, device, attention backend, max_model_len and the EOS ids. The rest of the
+engine reads the result and never re-derives any of it.
+"""
+import importlib.util
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from nanovllm.layers.attention import BACKENDS
+from nanovllm.loader.source import LOAD_FORMATS, load_tokenizer, read_hf_config, resolve_path, safetensors_files
+from nanovllm.models.registry import model_class
+
 DTYPES = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
           "float": torch.float32}
+DEVICES = ("auto", "cuda", "cpu")
+ATTENTION_BACKENDS = ("auto", *BACKENDS)
+KV_CACHE_DTYPES = ("auto",)
+RESOLVED = ("hf_config", "tokenizer", "eos_token_ids")  # set by create(), not engine arguments
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     """model: local directory, hub id, .gguf file, or a builtin config name with load_format="dummy".
     max_num_seqs: most sequences in one step. max_num_batched_tokens: most tokens in one step
@@ -17,10 +32,15 @@ class Config:
     num_kvcache_blocks: KV pool size, overriding the memory-based sizing. cpu_kvcache_space_gib: KV
     pool size on CPU (as vLLM's VLLM_CPU_KVCACHE_SPACE). enforce_eager: no CUDA graphs.
     dtype: "auto" (the checkpoint's bf16/fp16 on GPU, float32 on CPU), "bfloat16", "float16", "float32".
-    device: "auto" (CUDA when available), "cuda", "cpu". attention_backend: "auto", "torch", ...
-    seed: seeds dummy weights and unseeded sampling. tensor_parallel_size: GPUs (or CPU processes)
-    one model is split across. data_parallel_size: engine replicas, each on its own
-    tensor_parallel_size GPUs, that share the prompts of a generate call.
+    kv_cache_dtype: "auto" (the model dtype). device: "auto" (CUDA when available), "cuda", "cpu".
+    load_format: "auto", "safetensors", "gguf", "dummy" (random weights). attention_backend: "auto"
+    (Triton on CUDA, torch otherwise), "triton", "torch". seed: seeds dummy weights and unseeded
+    sampling. tensor_parallel_size: GPUs (or CPU processes) one model is split across.
+    data_parallel_size: engine replicas, each on its own tensor_parallel_size GPUs, that share the
+    prompts of a generate call.
+
+    After `create`, model is a local path, dtype a torch.dtype, device a torch.device, load_format,
+    attention_backend and max_model_len concrete, and hf_config, tokenizer and eos_token_ids set.
     """
     model: str
     max_num_seqs: int = 256
@@ -32,49 +52,124 @@ class Config:
     cpu_kvcache_space_gib: float = 4.0
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
-    dtype: str = "auto"
-    device: str = "auto"
+    dtype: str | torch.dtype = "auto"
+    kv_cache_dtype: str = "auto"
+    device: str | torch.device = "auto"
     load_format: str = "auto"
     attention_backend: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # resolved by create()
+    hf_config: object = field(default=None, repr=False)
+    tokenizer: object = field(default=None, repr=False, compare=False)
+    eos_token_ids: frozenset = frozenset()
 
-    def __post_init__(self):
-        positive = ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size",
-                    "data_parallel_size")
-        for name in positive:
+    @classmethod
+    def create(cls, model: str, with_tokenizer: bool = True, **engine_args) -> "Config":
+        """Validate engine_args, resolve the model and every "auto". with_tokenizer=False skips loading
+        it (tensor-parallel workers need none). Raises TypeError for an unknown argument,
+        ValueError naming the argument and what is allowed, FileNotFoundError for a missing model."""
+        unknown = set(engine_args) - {f.name for f in fields(cls)} | set(engine_args) & set(RESOLVED)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {sorted(unknown)}")
+        args = cls(model, **engine_args)
+        args._validate()
+        path, load_format = resolve_path(args.model, args.load_format)
+        hf_config = read_hf_config(path, load_format)
+        model_class(hf_config)  # an unsupported architecture fails before anything is loaded
+        if load_format == "safetensors":
+            safetensors_files(path)  # and so do missing weights
+        _check_tensor_parallel(hf_config, args.tensor_parallel_size)
+        device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
+                              else "cpu" if args.device == "auto" else args.device)
+        tok = load_tokenizer(path, load_format) if with_tokenizer else None
+        return replace(args, model=path, load_format=load_format, hf_config=hf_config, tokenizer=tok, device=device,
+                       dtype=_resolve_dtype(args.dtype, device, hf_config),
+                       attention_backend=_resolve_backend(args.attention_backend, device, _head_dim(hf_config)),
+                       max_model_len=_resolve_max_model_len(args.max_model_len, hf_config),
+                       eos_token_ids=_eos_token_ids(hf_config, tok))
+
+    def _validate(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size",
+                     "data_parallel_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name in ("max_model_len", "num_kvcache_blocks"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
+        if not self.cpu_kvcache_space_gib > 0:
+            raise ValueError(f"cpu_kvcache_space_gib must be > 0, got {self.cpu_kvcache_space_gib}")
+        for name, allowed in (("dtype", ("auto", *DTYPES)), ("kv_cache_dtype", KV_CACHE_DTYPES), ("device", DEVICES),
+                              ("load_format", LOAD_FORMATS), ("attention_backend", ATTENTION_BACKENDS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available; use device='cpu' or 'auto'")
         gpus = self.tensor_parallel_size * self.data_parallel_size
-        if self.torch_device.type == "cuda" and gpus > torch.cuda.device_count():
+        on_gpu = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+        if on_gpu and gpus > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size="
                              f"{self.data_parallel_size} needs {gpus} GPUs, but {torch.cuda.device_count()} are visible")
 
-    @property
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
 
-    def torch_dtype(self, hf_config) -> torch.dtype:
-        if self.dtype != "auto":
-            return DTYPES[self.dtype]
-        if self.torch_device.type == "cpu":
-            return torch.float32
-        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-        return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+def _head_dim(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def _resolve_dtype(dtype, device: torch.device, hf_config) -> torch.dtype:
+    """"auto": float32 on CPU; on GPU the checkpoint's float16/bfloat16, else bfloat16."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def _resolve_backend(name: str, device: torch.device, head_dim: int) -> str:
+    """"auto" picks Triton on CUDA (when triton imports and head_dim is a power of two >= 16),
+    torch otherwise. "triton" on CPU needs TRITON_INTERPRET=1."""
+    has_triton = importlib.util.find_spec("triton") is not None
+    triton_ok = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    if name == "auto":
+        return "triton" if device.type == "cuda" and has_triton and triton_ok else "torch"
+    if name == "triton" and not has_triton:
+        raise ValueError("attention_backend='triton' needs the triton package")
+    if name == "triton" and not triton_ok:
+        raise ValueError(f"attention_backend='triton' needs head_dim a power of two >= 16, got {head_dim}")
+    return name
+
+
+def _resolve_max_model_len(max_model_len: int | None, hf_config) -> int:
+    max_pos = hf_config.max_position_embeddings
+    if max_model_len is not None and max_model_len > max_pos:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}")
+    return max_model_len or max_pos
+
+
+def _eos_token_ids(hf_config, tokenizer) -> frozenset:
+    """The config's eos_token_id (an id or a list) and the tokenizer's."""
+    ids = getattr(hf_config, "eos_token_id", None)
+    ids = set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def _check_tensor_parallel(hf_config, tp_size: int):
+    """Raise ValueError unless the model splits evenly over tp_size ranks: query heads and the
+    intermediate size divisible by it, and KV heads either divisible by it or dividing it (then
+    each KV head is replicated on tp_size / num_key_value_heads ranks)."""
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    if heads % tp_size or hf_config.intermediate_size % tp_size or (kv_heads % tp_size and tp_size % kv_heads):
+        raise ValueError(f"tensor_parallel_size={tp_size} does not split this model: it needs to divide "
+                         f"num_attention_heads={heads} and intermediate_size={hf_config.intermediate_size}, and "
+                         f"to divide or be a multiple of num_key_value_heads={kv_heads}")

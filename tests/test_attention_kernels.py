@@ -7,9 +7,9 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from nanovllm.layers.attention.torch_backend import TorchBackend  # noqa: E402
+from nanovllm.layers.attention.base import AttentionMetadata  # noqa: E402
+from nanovllm.layers.attention.torch_backend import paged_attention_reference  # noqa: E402
 from nanovllm.layers.attention.triton_backend import decode_attention, prefill_attention  # noqa: E402
-from nanovllm.utils.context import Context  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -39,8 +39,8 @@ def make_cache(context_lens, block_size, num_kv_heads, head_dim, dtype, gen):
 
 
 def reference(q, k, v, cu_q, context_lens, tables, scale):
-    ctx = Context(cu_seqlens_q=cu_q, context_lens=context_lens, block_tables=tables)
-    return TorchBackend.forward(q.float(), k.float(), v.float(), ctx, scale).float()
+    meta = AttentionMetadata(None, None, cu_q, context_lens, tables, 0, False)
+    return paged_attention_reference(q.float(), k.float(), v.float(), meta, scale).float()
 
 
 GPU_CASES = [(dtype, bs, group, hd) for dtype in (torch.bfloat16, torch.float16) for bs in (16, 256)

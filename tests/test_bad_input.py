@@ -1,6 +1,7 @@
 """Bad input gets a clear error before any work, and the same LLM serves the next valid call."""
 import json
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -17,8 +18,8 @@ def still_works(llm, hf_model):
     prompt = random_prompts([9], seed=11)[0]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert out[0].token_ids == hf_greedy(hf_model, prompt, 5)
-    assert llm.block_manager.num_free_blocks == llm.model_runner.num_kvcache_blocks
-    assert llm.scheduler.is_finished()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.model_runner.num_kvcache_blocks
+    assert llm.engine.scheduler.is_finished()
 
 
 @pytest.mark.parametrize("prompts,params,message", [
@@ -104,14 +105,15 @@ def test_stop_conditions(llm, tiny_qwen3):
     first = greedy.index(stop)
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop]), use_tqdm=False)[0]
     assert out.token_ids == greedy[:first + 1] and out.finish_reason == "stop"
-    llm.eos_token_ids.add(greedy[1])
+    config = llm.engine.config
+    llm.engine.config = replace(config, eos_token_ids=config.eos_token_ids | {greedy[1]})
     try:
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
         assert out.token_ids == greedy[:2] and out.finish_reason == "stop"
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
         assert out.token_ids == greedy and out.finish_reason == "length"
     finally:
-        llm.eos_token_ids.discard(greedy[1])
+        llm.engine.config = config
     long_prompt = random_prompts([60], seed=13)[0]  # max_model_len=64 cuts the completion at 4 tokens
     out = llm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.token_ids) == 4 and out.finish_reason == "length"

@@ -14,7 +14,7 @@ def check_against_hf(llm, hf_model, prompts, max_tokens=12):
         assert out.prompt_token_ids == prompt
         assert out.token_ids == hf_greedy(hf_model, prompt, max_tokens)
         assert out.finish_reason == "length"
-    assert llm.block_manager.num_free_blocks == llm.model_runner.num_kvcache_blocks
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.model_runner.num_kvcache_blocks
     return outs
 
 
@@ -30,7 +30,7 @@ def test_triton_backend_in_the_interpreter(tiny_model):
     the whole engine, with chunked prefill and a prefix hit, in Triton's interpreter on CPU."""
     path, hf_model = tiny_model
     llm = LLM(path, kvcache_block_size=16, max_num_batched_tokens=24, attention_backend="triton", device="cpu")
-    assert llm.model_runner.backend.name == "triton"
+    assert llm.engine.model_runner.backend.name == "triton"
     shared = random_prompts([33], seed=5)[0]
     check_against_hf(llm, hf_model, [shared + [1], *random_prompts([5, 40], seed=6)])
     assert check_against_hf(llm, hf_model, [shared + [2, 3]])[0].num_cached_tokens == 32
@@ -44,7 +44,7 @@ def test_step_inputs_upload_aligned(tiny_qwen3):
     llm = LLM(tiny_qwen3[0], kvcache_block_size=16, device="cpu")
     arrays = [np.arange(5), np.arange(12).reshape(3, 4) - 7, np.zeros((0, 2), np.int64), np.array([9])]
     for dtype in (torch.int32, torch.int64):
-        out = llm.model_runner._upload(arrays, dtype)
+        out = llm.engine.model_runner.stager.upload(arrays, dtype)
         assert [o.dtype for o in out] == [dtype] * 4 and [tuple(o.shape) for o in out] == [a.shape for a in arrays]
         assert all((o.numpy() == a).all() for o, a in zip(out, arrays))
         assert all(o.data_ptr() % 16 == 0 for o in out)
@@ -76,7 +76,7 @@ def test_preemption(tiny_model):
     # 8 blocks of 16 tokens: each sequence needs up to 7 blocks, so running them together preempts
     llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=8, max_model_len=112, device="cpu")
     check_against_hf(llm, hf_model, random_prompts([50, 45, 60, 30], seed=4), max_tokens=40)
-    assert llm.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -87,4 +87,4 @@ def test_preemption_with_chunks_and_shared_prefixes(tiny_qwen3, prefix_caching):
     shared = random_prompts([40], seed=5)[0]
     prompts = [shared + t for t in random_prompts([5, 25, 1, 12], seed=6)]
     check_against_hf(llm, hf_model, prompts, max_tokens=30)
-    assert llm.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0

@@ -68,7 +68,9 @@ def test_qk_norm_rope_writes_the_kv_cache(dtype, kv_heads, head_dim, block_size)
               for _ in range(4)]
     qk_norm_rope(positions, q, k, rope.cos_sin_cache, norms[0].weight, norms[1].weight, 1e-6,
                  kv_cache=(v, caches[0], caches[1], slots))
-    TorchBackend.store_kvcache(k, v, caches[2], caches[3], slots)  # k is rotated in place by now
+    backend = TorchBackend()
+    backend.k_caches, backend.v_caches = [caches[2]], [caches[3]]
+    backend.store_kv(0, k, v, slots)  # k is rotated in place by now
     assert torch.equal(caches[0].nan_to_num(7.0), caches[2].nan_to_num(7.0))
     assert torch.equal(caches[1].nan_to_num(7.0), caches[3].nan_to_num(7.0))
     assert caches[0].isnan().sum() == (num_blocks * block_size - (slots >= 0).sum()) * kv_heads * head_dim

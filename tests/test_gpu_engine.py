@@ -13,7 +13,7 @@ NUM_TOKENS = 16
 def qwen3_06b(tmp_path_factory):
     from transformers import AutoConfig, Qwen3ForCausalLM
 
-    from nanovllm.utils.source import BUILTIN_CONFIGS
+    from nanovllm.loader.source import BUILTIN_CONFIGS
     config = AutoConfig.from_pretrained(str(BUILTIN_CONFIGS["qwen3-0.6b"]))
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -77,7 +77,7 @@ def test_greedy_matches_transformers(qwen3_06b, engine_args):
         assert (gap <= 2 * noise).all(), (i, gap.tolist(), noise.tolist())
     print(f"{engine_args}: {exact}/{len(ps)} sequences equal transformers' generate token for token")
     assert exact >= len(ps) // 2
-    assert llm.block_manager.num_free_blocks == llm.model_runner.num_kvcache_blocks
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.model_runner.num_kvcache_blocks
 
 
 def test_too_little_gpu_memory_says_what_to_change():

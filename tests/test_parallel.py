@@ -12,7 +12,7 @@ import time
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.data_parallel import DataParallelEngine
+from nanovllm.parallel.data_parallel import DataParallelEngine
 from tests.conftest import make_tiny_model, random_prompts
 
 ARGS = dict(device="cpu", kvcache_block_size=16, max_model_len=128, max_num_batched_tokens=48)
@@ -43,7 +43,7 @@ def test_tensor_parallel_matches_one_rank(arch, tp, load_format, backend, tmp_pa
     assert completions(llm, prompts[::-1]) == expected[::-1]  # second call: prefix hits everywhere
     sampled = [SamplingParams(temperature=0.8, top_k=20, max_tokens=6, seed=i) for i in range(len(prompts))]
     assert completions(llm, prompts, sampled) == completions(llm, prompts, sampled)  # seeded sampling repeats
-    workers = llm.model_runner.workers
+    workers = llm.engine.model_runner.workers
     procs, tmpdir = workers.procs, workers.tmpdir
     del llm, workers
     gc.collect()
@@ -55,17 +55,24 @@ def test_data_parallel_matches_one_replica(tiny_qwen3):
     params = [SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True) for i in range(len(prompts))]
     expected = completions(LLM(tiny_qwen3[0], **ARGS), prompts, params)
     llm = LLM(tiny_qwen3[0], data_parallel_size=2, **ARGS)
-    assert isinstance(llm, DataParallelEngine)
-    parts = llm._split(llm.processor.to_sequences(prompts, params))
-    assert all(parts) and sorted(sum(parts, [])) == list(range(len(prompts)))
+    assert isinstance(llm, LLM) and isinstance(llm.engine, DataParallelEngine)
+    engine, sent = llm.engine, []
+    send = engine._dispatch
+
+    def dispatch():  # record which replica gets each request
+        send()
+        sent.extend(engine._owner.values())
+
+    engine._dispatch = dispatch
     assert completions(llm, prompts, params) == expected
+    assert {i for i, _ in sent} == {0, 1}  # both replicas served the call
     outputs = llm.generate(prompts[:3], params[:3], use_tqdm=False)  # a second, smaller call
-    assert [o.request_id for o in outputs] == [0, 1, 2] and [o.token_ids for o in outputs] == expected[:3]
+    assert [o.token_ids for o in outputs] == expected[:3]
     with pytest.raises(ValueError, match="request 1: the prompt is empty"):
         llm.generate([[1, 2], []], GREEDY)
     assert llm.reset_prefix_cache()
-    procs = llm.procs
-    del llm
+    procs = llm.engine.procs
+    del llm, engine, dispatch, send
     gc.collect()
     assert all(p.exitcode == 0 for p in procs)
 
@@ -76,7 +83,7 @@ def test_data_parallel_with_tensor_parallel(tiny_qwen3):
     stores_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "nanovllm-tp-*")))
     llm = LLM(tiny_qwen3[0], data_parallel_size=2, tensor_parallel_size=2, **ARGS)
     assert completions(llm, prompts) == expected
-    procs = llm.procs
+    procs = llm.engine.procs
     del llm
     gc.collect()
     assert all(p.exitcode == 0 for p in procs)
@@ -85,8 +92,8 @@ def test_data_parallel_with_tensor_parallel(tiny_qwen3):
 
 def test_killed_worker_fails_generate_quickly(tiny_qwen3):
     llm = LLM(tiny_qwen3[0], tensor_parallel_size=2, **ARGS)
-    worker = llm.model_runner.workers.procs[0]
-    original, steps = llm.step, []
+    worker = llm.engine.model_runner.workers.procs[0]
+    original, steps = llm.engine.step, []
 
     def step():
         steps.append(1)
@@ -94,14 +101,14 @@ def test_killed_worker_fails_generate_quickly(tiny_qwen3):
             os.kill(worker.pid, signal.SIGKILL)
         return original()
 
-    llm.step = step
+    llm.engine.step = step
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=rf"worker rank 1 \(pid {worker.pid}\) exited with code -9"):
         llm.generate(workload(), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)
     assert time.monotonic() - start < 30
     with pytest.raises(RuntimeError, match="create a new LLM"):  # refuses further work at once
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
-    tmpdir = llm.model_runner.workers.tmpdir
+    tmpdir = llm.engine.model_runner.workers.tmpdir
     original = step = None  # noqa: F841 (breaks the reference to the engine)
     del llm
     gc.collect()
@@ -111,8 +118,8 @@ def test_killed_worker_fails_generate_quickly(tiny_qwen3):
 
 def test_killed_replica_fails_generate(tiny_qwen3):
     llm = LLM(tiny_qwen3[0], data_parallel_size=2, **ARGS)
-    os.kill(llm.procs[1].pid, signal.SIGKILL)
-    llm.procs[1].join()
+    os.kill(llm.engine.procs[1].pid, signal.SIGKILL)
+    llm.engine.procs[1].join()
     with pytest.raises(RuntimeError, match=r"replica 1 \(pid \d+\) exited with code -9; create a new LLM"):
         llm.generate(workload(), GREEDY, use_tqdm=False)
 
@@ -129,8 +136,8 @@ def test_interrupts_leave_parallel_engines_usable(tiny_qwen3, monkeypatch):
             raise KeyboardInterrupt
         return sampler(*args, **kwargs)
 
-    sampler = tp.model_runner.sampler
-    tp.model_runner.sampler = interrupting_sampler
+    sampler = tp.engine.model_runner.sampler
+    tp.engine.model_runner.sampler = interrupting_sampler
     with pytest.raises(KeyboardInterrupt):
         tp.generate(prompts, GREEDY, use_tqdm=False)
     assert completions(tp, prompts) == expected
@@ -138,18 +145,18 @@ def test_interrupts_leave_parallel_engines_usable(tiny_qwen3, monkeypatch):
     gc.collect()
 
     dp = LLM(tiny_qwen3[0], data_parallel_size=2, **ARGS)
-    receive = dp._receive
+    receive = dp.engine._receive
 
     def interrupting_receive(i, *args):
         message = receive(i, *args)
-        if message[0] == "finished":
+        if message[0] == "outputs":
             raise KeyboardInterrupt
         return message
 
-    monkeypatch.setattr(dp, "_receive", interrupting_receive)
+    monkeypatch.setattr(dp.engine, "_receive", interrupting_receive)
     with pytest.raises(KeyboardInterrupt):
         dp.generate(prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
-    monkeypatch.setattr(dp, "_receive", receive)
+    monkeypatch.setattr(dp.engine, "_receive", receive)
     assert completions(dp, prompts) == expected
 
 

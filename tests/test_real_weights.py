@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.demo import demo_model_path
+from nanovllm.loader.demo import demo_model_path
 
 QUESTIONS = ["Write a Python function that checks whether a number is prime.",
              "What does the `yield` keyword do in Python?",
@@ -30,9 +30,9 @@ def test_gguf_greedy_matches_transformers(gguf_path):
         ids = torch.tensor([out.prompt_token_ids])
         with torch.no_grad():
             ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
-                              eos_token_id=sorted(llm.eos_token_ids), pad_token_id=llm.tokenizer.pad_token_id)
+                              eos_token_id=sorted(llm.config.eos_token_ids), pad_token_id=llm.tokenizer.pad_token_id)
         ref = ref[0, ids.size(1):].tolist()
         assert out.token_ids == ref
         assert out.text == llm.tokenizer.decode(ref, skip_special_tokens=True)
-        assert out.finish_reason == ("stop" if ref[-1] in llm.eos_token_ids else "length")
+        assert out.finish_reason == ("stop" if ref[-1] in llm.config.eos_token_ids else "length")
     assert "def" in outs[0].text and "prime" in outs[0].text.lower()  # a sensible answer

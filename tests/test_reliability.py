@@ -17,7 +17,7 @@ from tests.test_block_manager import check_invariants as check_block_invariants
 
 
 def check_invariants(llm, scheduled):
-    bm, sched = llm.block_manager, llm.scheduler
+    bm, sched = llm.engine.block_manager, llm.engine.scheduler
     assert sum(n for _, n in scheduled) <= sched.max_num_batched_tokens
     assert len(sched.running) <= sched.max_num_seqs
     check_block_invariants(bm, sched.running + list(sched.waiting))
@@ -61,20 +61,21 @@ def report_property_stats():
 @given(waves=workload, which=st.integers(0, 2), seed=st.integers(0, 10**6))
 def test_random_workloads_keep_invariants(engines, waves, which, seed):
     llm = engines[which]
+    engine = llm.engine
     shared = random_prompts([40], seed=seed)[0]
     recorded = []
-    original = llm.scheduler.schedule
+    original = llm.engine.scheduler.schedule
 
     def schedule():
         recorded.append(original())
         return recorded[-1]
 
-    llm.scheduler.schedule = schedule
+    llm.engine.scheduler.schedule = schedule
     try:
         all_seqs, reported = [], []
 
         def step():
-            reported.extend(llm.step()[0])
+            reported.extend(out.request_id for out in engine.step())
             check_invariants(llm, recorded[-1])
             STATS["steps"] += 1
 
@@ -83,22 +84,24 @@ def test_random_workloads_keep_invariants(engines, waves, which, seed):
                        for i, (n, _, prefix, _) in enumerate(wave)]
             params = [SamplingParams(temperature=t, max_tokens=m, ignore_eos=True, seed=i)
                       for i, (_, m, _, t) in enumerate(wave)]
-            all_seqs += [(seq, len(p)) for seq, p in zip(llm.add_requests(prompts, params), prompts)]
+            for p, sp in zip(prompts, params):
+                engine.add_request(f"{seed}-{len(all_seqs)}", p, sp)
+                all_seqs.append((engine.scheduler.waiting[-1], len(p)))
             for _ in range(3):
-                if llm.has_unfinished_requests():
+                if engine.has_unfinished_requests():
                     step()
-        while llm.has_unfinished_requests():
+        while engine.has_unfinished_requests():
             step()
     finally:
-        llm.scheduler.schedule = original
+        llm.engine.scheduler.schedule = original
     STATS["workloads"] += 1
-    STATS["preemptions"] = sum(e.scheduler.num_preemptions for e in engines)
+    STATS["preemptions"] = sum(e.engine.scheduler.num_preemptions for e in engines)
     for seq, prompt_len in all_seqs:
         expected = min(seq.sampling_params.max_tokens, max(1, 96 - prompt_len))
         assert seq.is_finished and seq.finish_reason == "length" and seq.num_completion_tokens == expected
         assert all(t >= 0 for t in seq.token_ids)  # no PLACEHOLDER left behind
-    assert sorted(s.seq_id for s in reported) == sorted(s.seq_id for s, _ in all_seqs)  # each finish reported once
-    assert llm.block_manager.num_free_blocks == llm.model_runner.num_kvcache_blocks
+    assert sorted(reported) == sorted(s.request_id for s, _ in all_seqs)  # each finish reported once
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.model_runner.num_kvcache_blocks
 
 
 class Boom(Exception):
@@ -109,7 +112,7 @@ class Boom(Exception):
 def test_interrupted_generate_leaves_engine_clean(tiny_qwen3, error):
     path, hf_model = tiny_qwen3
     llm = LLM(path, device="cpu", kvcache_block_size=8, max_model_len=128)
-    sampler, calls = llm.model_runner.sampler, [0]
+    sampler, calls = llm.engine.model_runner.sampler, [0]
     original = sampler.forward
 
     def failing(*args, **kwargs):
@@ -123,8 +126,8 @@ def test_interrupted_generate_leaves_engine_clean(tiny_qwen3, error):
     with pytest.raises(error):
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     sampler.forward = original
-    assert llm.block_manager.num_free_blocks == llm.model_runner.num_kvcache_blocks
-    assert not llm.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.model_runner.num_kvcache_blocks
+    assert not llm.engine.has_unfinished_requests()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     assert [o.token_ids for o in outs] == [hf_greedy(hf_model, p, 10) for p in prompts]
 
@@ -138,11 +141,11 @@ def test_interrupt_from_the_tokenizer_leaves_engine_clean(tiny_qwen3):
         def decode(self, *args, **kwargs):
             raise KeyboardInterrupt
 
-    llm.processor.tokenizer = BrokenTokenizer()
+    llm.engine.processor.tokenizer = BrokenTokenizer()
     with pytest.raises(KeyboardInterrupt):
         llm.generate(random_prompts([5, 9], seed=3), SamplingParams(max_tokens=4), use_tqdm=False)
-    assert llm.block_manager.num_free_blocks == llm.model_runner.num_kvcache_blocks
-    assert not llm.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.model_runner.num_kvcache_blocks
+    assert not llm.engine.has_unfinished_requests()
 
 
 # ---- broken model files -------------------------------------------------------------------
@@ -196,7 +199,7 @@ def test_missing_tensor(tiny_qwen3, tmp_path):
 
 def test_truncated_gguf(tmp_path):
     """The demo GGUF assembled from five of its six parts."""
-    from nanovllm.utils.demo import demo_model_path
+    from nanovllm.loader.demo import demo_model_path
     full = demo_model_path()
     truncated = tmp_path / "five-of-six.gguf"
     with open(full, "rb") as f, open(truncated, "wb") as g:
@@ -221,7 +224,7 @@ def test_soak_10000_requests(tiny_qwen3):
     import time
     llm = LLM(tiny_qwen3[0], device="cpu", kvcache_block_size=16, num_kvcache_blocks=160, max_model_len=128,
               max_num_seqs=128, max_num_batched_tokens=512)
-    free_at_start = llm.block_manager.num_free_blocks
+    free_at_start = llm.engine.block_manager.num_free_blocks
     g = torch.Generator().manual_seed(0)
     served, per_call = 0, []
     for call in range(40):
@@ -237,7 +240,7 @@ def test_soak_10000_requests(tiny_qwen3):
         per_call.append(((time.perf_counter() - t) / n, rss_mib()))
         assert [len(o.token_ids) for o in outs] == max_tokens
         assert all(o.finish_reason == "length" for o in outs)
-        assert llm.block_manager.num_free_blocks == free_at_start
+        assert llm.engine.block_manager.num_free_blocks == free_at_start
         served += n
     (t0, m0), (t1, m1) = per_call[0], per_call[-1]
     print(f"soak: {served} requests in {len(per_call)} calls; time/request {t0 * 1e3:.2f} ms -> {t1 * 1e3:.2f} ms; "
@@ -249,8 +252,8 @@ def test_soak_10000_requests(tiny_qwen3):
 def test_deleting_the_llm_releases_the_kv_cache(tiny_qwen3):
     llm = LLM(tiny_qwen3[0], device="cpu", kvcache_block_size=16, max_model_len=128)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)
-    cache = weakref.ref(llm.model_runner.kv_cache)
-    model = weakref.ref(llm.model_runner.model)
+    cache = weakref.ref(llm.engine.model_runner.kv_cache)
+    model = weakref.ref(llm.engine.model_runner.model)
     del llm
     gc.collect()
     assert cache() is None and model() is None

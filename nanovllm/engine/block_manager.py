@@ -77,7 +77,6 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
         if cached_block_ids:
-            seq.num_computed_tokens = seq.num_cached_tokens = num_computed
             seq.num_hashed_blocks = len(cached_block_ids)
         for _ in range(new_blocks):
             seq.block_table.append(self._take_free_block())

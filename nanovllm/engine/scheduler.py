@@ -31,7 +31,8 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """Return this step's (sequence, number of new tokens) pairs: running ones first, or in a
-        decode-only step, longest context first."""
+        decode-only step, longest context first. Each sequence's num_computed_tokens already
+        counts its new tokens (as in vLLM, the step is as good as launched)."""
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
@@ -54,11 +55,14 @@ class Scheduler:
             n = min(len(seq) - len(cached) * self.block_manager.block_size, budget)
             if not self.block_manager.allocate_slots(seq, n, cached):
                 break
+            seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.block_manager.block_size
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
         if all(n == 1 for _, n in scheduled):
             # longest context first: the decode kernel then starts the longest work first
             scheduled.sort(key=lambda item: item[0].num_computed_tokens, reverse=True)

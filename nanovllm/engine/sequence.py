@@ -14,15 +14,20 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """One request: its tokens (prompt then completion), its KV blocks and its progress.
+    """One request's state: its tokens (prompt then completion), its KV blocks and its progress.
 
-    num_computed_tokens counts the tokens whose K/V are in the cache; the tokens after it are
-    what the next step must run (a prompt chunk, or the one token sampled last).
+    Who writes what: the Scheduler status, finish_reason, num_cached_tokens and
+    num_computed_tokens (the tokens whose K/V are in the cache or computed by a launched step;
+    the tokens after it are what the next step must run); the BlockManager block_table and
+    num_hashed_blocks; the LLMEngine token_ids.
     """
     _ids = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams):
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None,
+                 prompt: str | None = None):
         self.seq_id = next(Sequence._ids)
+        self.request_id = str(self.seq_id) if request_id is None else request_id
+        self.prompt = prompt  # the prompt's text, when it was given as text
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
@@ -32,8 +37,6 @@ class Sequence:
         self.num_hashed_blocks = 0  # leading blocks of block_table registered in the prefix cache
         self.sampling_params = sampling_params
         self.finish_reason: str | None = None
-        self.pending_row: int | None = None  # row of the PLACEHOLDER last token in the last step's sampled tokens
-        self.generator = None  # torch.Generator of a request with a seed, made by the ModelRunner
 
     def __len__(self):
         return len(self.token_ids)
@@ -54,5 +57,3 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int):
-        self.token_ids.append(token_id)

@@ -3,7 +3,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.distributed import tp_rank_and_size
+from nanovllm.parallel.state import TensorParallel
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -13,9 +13,9 @@ class VocabParallelEmbedding(nn.Module):
     here and summed in by the all-reduce.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int):
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallel):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp_rank, self.tp_size = tp.rank, tp.size
         self.num_embeddings = num_embeddings
         self.shard = (num_embeddings + self.tp_size - 1) // self.tp_size
         self.vocab_start = self.shard * self.tp_rank

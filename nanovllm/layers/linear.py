@@ -1,8 +1,8 @@
 """Linear layers whose weights are sharded across tensor-parallel ranks (Megatron-LM layout).
 
 Column-parallel layers split the output features, row-parallel layers split the input
-features and all-reduce their partial sums. With one rank they are plain linear layers; the
-rank and size come from `tp_rank_and_size()` at construction. Each parameter carries a
+features and all-reduce their partial sums. With one rank they are plain linear layers; each
+takes the rank's `tp` (TensorParallel: rank and size) at construction. Each parameter carries a
 `weight_loader(param, loaded, shard_id)` that copies this rank's slice of a checkpoint tensor
 into it, so packed projections (q/k/v into one QKV, gate/up into one) are filled from separate
 checkpoint tensors and no rank ever holds more than its shard.
@@ -12,15 +12,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.distributed import tp_rank_and_size
+from nanovllm.parallel.state import TensorParallel
 
 
 class LinearBase(nn.Module):
     """y = x W^T + b with W: [output_size, input_size]; `tp_dim` is the dim that is sharded (None: replicated)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None, tp: TensorParallel):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp_rank, self.tp_size = tp.rank, tp.size
         self.tp_dim = tp_dim
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.weight.weight_loader = self.weight_loader
@@ -45,24 +45,18 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor):
     dst.copy_(src)
 
 
-class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, output_size, bias, None)
-
-
 class ColumnParallelLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        _, tp_size = tp_rank_and_size()
-        super().__init__(input_size, output_size // tp_size, bias, 0)
+    def __init__(self, input_size: int, output_size: int, tp: TensorParallel, bias: bool = False):
+        super().__init__(input_size, output_size // tp.size, bias, 0, tp)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input packed along the output dim (gate_up_proj);
     output_sizes are the full (unsharded) sizes, in shard-id order."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+    def __init__(self, input_size: int, output_sizes: list[int], tp: TensorParallel, bias: bool = False):
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), tp, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
@@ -75,15 +69,16 @@ class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections packed as [q | k | v] along the output dim; KV heads are
     replicated when there are fewer of them than ranks."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        _, tp_size = tp_rank_and_size()
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: TensorParallel,
+                 bias: bool = False):
+        tp_size = tp.size
         self.head_dim = head_dim
         self.num_heads = num_heads // tp_size
         self.num_kv_heads = max(1, num_kv_heads // tp_size)
         self.kv_replicas = max(1, tp_size // num_kv_heads)
         self.output_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]  # full q, k, v
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
-        super().__init__(hidden_size, out, bias)  # this rank's heads only
+        super().__init__(hidden_size, out, tp, bias)  # this rank's heads only
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -96,9 +91,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Shards the input features; partial outputs are summed across ranks (bias added once)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        _, tp_size = tp_rank_and_size()
-        super().__init__(input_size // tp_size, output_size, bias, 1)
+    def __init__(self, input_size: int, output_size: int, tp: TensorParallel, bias: bool = False):
+        super().__init__(input_size // tp.size, output_size, bias, 1, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)

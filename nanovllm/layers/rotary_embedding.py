@@ -42,16 +42,9 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, -1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, norms=None, kv_cache=None):
-        """q, k: [T, heads, head_dim]; norms: None or the (q_norm, k_norm) RMSNorms applied per head first.
-        kv_cache: None, or (v, k_cache, v_cache, slot_mapping) for the Triton kernel to also write
-        k and v into the paged cache (see qk_norm_rope). On CUDA, or with kv_cache, one Triton
-        kernel does it all in place; otherwise torch, rounding cos/sin to the model dtype and
-        rotating in it, as transformers does."""
-        if q.is_cuda or kv_cache is not None:
-            from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope
-            weights = (norms[0].weight, norms[1].weight, norms[0].eps) if norms else ()
-            return qk_norm_rope(positions, q, k, self.cos_sin_cache, *weights, kv_cache=kv_cache)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, norms=None):
+        """q, k: [T, heads, head_dim]; norms: None or the (q_norm, k_norm) RMSNorms applied per head
+        first. Rounds cos/sin to the model dtype and rotates in it, as transformers does."""
         if norms:
             q, k = norms[0](q), norms[1](k)
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).to(q.dtype).chunk(2, -1)

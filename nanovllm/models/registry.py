@@ -1,6 +1,6 @@
-from nanovllm.models.llama import LlamaForCausalLM
-from nanovllm.models.qwen2 import Qwen2ForCausalLM
-from nanovllm.models.qwen3 import Qwen3ForCausalLM
+"""Which model class serves a checkpoint. To add a model: a class in decoder.py if it is a
+variant of the shared decoder (or a module of its own), then a line here."""
+from nanovllm.models.decoder import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODELS = {cls.__name__: cls for cls in (Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM)}
 # configs made from GGUF files may carry only a model_type
@@ -8,7 +8,7 @@ MODEL_TYPES = {"qwen3": Qwen3ForCausalLM, "qwen2": Qwen2ForCausalLM, "llama": Ll
 
 
 def model_class(config):
-    """The model class for `config.architectures[0]`; ValueError names the supported ones."""
+    """The model class for `config.architectures` (or its model_type); ValueError names the supported ones."""
     archs = getattr(config, "architectures", None) or []
     for arch in archs:
         if arch in MODELS:

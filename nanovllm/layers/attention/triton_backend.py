@@ -1,12 +1,13 @@
-"""Our own paged-attention backend: the Triton kernels of triton_kernels.py behind the backend interface."""
+"""Our own paged-attention backend: the Triton kernels of triton_kernels.py and qk_norm_rope_kernel.py."""
 import functools
 
 import torch
 import triton
 
+from nanovllm.layers.attention.base import AttentionBackend
 from nanovllm.layers.attention.triton_kernels import (LOG2E, decode_attention_kernel, prefill_attention_kernel,
                                                       reduce_splits_kernel)
-from nanovllm.utils.context import Context
+from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope
 
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, DECODE_BLOCK_N = 64, 64, 64
 
@@ -73,18 +74,23 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num
     return out
 
 
-class TritonBackend:
+class TritonBackend(AttentionBackend):
+    """The Triton kernels: one fused kernel for the per-head norms, rotary embedding and K/V store,
+    then paged prefill or split-KV decode attention."""
     name = "triton"
     supports_cuda_graphs = True  # launch shapes depend only on the batch size
-    fused_kv_store = True  # qk_norm_rope_kernel writes K/V into the cache
 
-    @staticmethod
-    def supports(head_dim: int) -> bool:
-        return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    def forward(self, layer, q, k, v, meta):
+        norms = layer.qk_norms
+        weights = (norms[0].weight, norms[1].weight, norms[0].eps) if norms else ()
+        i = layer.layer_idx
+        qk_norm_rope(meta.positions, q, k, layer.rotary_emb.cos_sin_cache, *weights,
+                     kv_cache=(v, self.k_caches[i], self.v_caches[i], meta.slot_mapping))
+        return self.attend(i, q, meta, layer.scale)
 
-    @staticmethod
-    def forward(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: Context, scale: float) -> torch.Tensor:
-        if ctx.is_decode:
-            return decode_attention(q, k_cache, v_cache, ctx.context_lens, ctx.block_tables, scale)
-        return prefill_attention(q, k_cache, v_cache, ctx.cu_seqlens_q, ctx.context_lens, ctx.block_tables,
-                                 ctx.max_seqlen_q, scale)
+    def attend(self, layer_idx, q, meta, scale):
+        k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
+        if meta.is_decode:
+            return decode_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables, scale)
+        return prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+                                 meta.max_seqlen_q, scale)

@@ -16,23 +16,24 @@ import time
 import traceback
 import weakref
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.utils.distributed import die_with_parent, leave_process_group, stop_processes
+from nanovllm.parallel.process_group import leave_process_group
+from nanovllm.parallel.processes import die_with_parent, stop_processes
 
 
-def _worker_main(model: str, config: Config, max_model_len: int, rank: int, store_path: str, conn, parent_pid: int):
+def _worker_main(config: Config, rank: int, store_path: str, conn, parent_pid: int):
     die_with_parent(parent_pid)
     from nanovllm.engine.model_runner import ModelRunner
-    from nanovllm.utils.source import resolve_model
     try:
-        runner = ModelRunner(config, resolve_model(model, config.load_format, tokenizer=False), max_model_len,
-                             rank=rank, store_path=store_path)
+        runner = ModelRunner(config, rank=rank, store_path=store_path)
         while (plan := conn.recv()) is not None:
             runner.execute(plan)
-        leave_process_group(runner.graphs)  # rank 0 asked the ranks to stop, and leaves it too
+        # rank 0 asked the ranks to stop, and leaves the group with them
+        leave_process_group(runner.graph_runner.graphs if runner.graph_runner else {})
     except EOFError:
         pass  # rank 0 is gone
     except BaseException:
@@ -44,17 +45,18 @@ def _worker_main(model: str, config: Config, max_model_len: int, rank: int, stor
 class TPWorkers:
     """Starts ranks 1..tensor_parallel_size-1 and sends them each step's plan (rank 0 side)."""
 
-    def __init__(self, model: str, config: Config, max_model_len: int):
+    def __init__(self, config: Config):
         self.tmpdir = tempfile.mkdtemp(prefix="nanovllm-tp-")
         self.store_path = os.path.join(self.tmpdir, "store")
         self.broken: str | None = None  # why the ranks can no longer run steps together
         self.graphs = {}  # rank 0's CUDA graphs (its ModelRunner's): freed before the process group
         ctx = mp.get_context("spawn")
+        config = replace(config, tokenizer=None)  # the workers detokenize nothing
         self.procs, self.conns = [], []
         for rank in range(1, config.tensor_parallel_size):
             recv, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_worker_main, name=f"nanovllm-tp{rank}", daemon=False,
-                               args=(model, config, max_model_len, rank, self.store_path, recv, os.getpid()))
+                               args=(config, rank, self.store_path, recv, os.getpid()))
             proc.start()
             recv.close()
             self.procs.append(proc)

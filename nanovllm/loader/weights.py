@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from nanovllm.utils.distributed import tensor_parallel
+from nanovllm.parallel.state import TensorParallel
 
 
 def _expected_shards(name: str, packed_modules_mapping: dict) -> set:
@@ -63,8 +63,8 @@ def dummy_weights(model_cls, hf_config, seed: int, device: torch.device,
     shapes: N(0, initializer_range) matrices, ones for norm weights, zeros for biases. Each
     tensor is drawn from a generator seeded by `seed` and its name, so every
     tensor_parallel_size loads the same weights."""
-    with tensor_parallel(0, 1), torch.device("meta"):
-        full = model_cls(hf_config)
+    with torch.device("meta"):
+        full = model_cls(hf_config, TensorParallel(0, 1))
     unpacked = {}  # packed fragment -> checkpoint fragments in shard order
     for fragment, (packed, _) in full.packed_modules_mapping.items():
         unpacked.setdefault(packed, []).append(fragment)

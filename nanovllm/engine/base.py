@@ -1,0 +1,31 @@
+"""The engine interface that the LLM facade drives; LLMEngine (one replica) and
+DataParallelEngine (several, nanovllm/parallel/data_parallel.py) implement it."""
+from abc import ABC, abstractmethod
+
+from nanovllm.config import Config
+from nanovllm.outputs import RequestOutput
+
+
+class EngineBase(ABC):
+    config: Config
+
+    @abstractmethod
+    def add_request(self, request_id: str, prompt, params) -> None:
+        """Validate one request and queue it; ValueError (nothing queued) when it is invalid.
+        prompt: a string, a list of token ids, or {"prompt_token_ids": [...], "prompt": text}."""
+
+    @abstractmethod
+    def step(self) -> list[RequestOutput]:
+        """Advance the work by one step; returns the requests that finished in it."""
+
+    @abstractmethod
+    def has_unfinished_requests(self) -> bool:
+        ...
+
+    @abstractmethod
+    def abort_all_requests(self) -> None:
+        """Drop every unfinished request and free its KV blocks; the engine stays usable."""
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; False while requests hold blocks."""

@@ -1,0 +1,67 @@
+"""The paged KV cache: its shape, how many blocks fit, and its allocation.
+
+Layout: [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim], one tensor, so
+a block is the same slot range in every layer; the attention backend gets it with bind_kv_cache.
+"""
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nanovllm.config import Config
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int  # this rank's
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers, K and V."""
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        shape = (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return torch.empty(shape, dtype=self.dtype, device=device)
+
+
+def num_kv_blocks(config: Config, spec: KVCacheSpec, max_blocks_per_seq: int, profile: Callable[[], int],
+                  device: torch.device, world_size: int) -> int:
+    """Blocks in the pool: num_kvcache_blocks when set; on GPU what fits in gpu_memory_utilization
+    of total memory after the weights and the peak activations of `profile` (a warm-up step at
+    the largest batch, which returns the bytes of its own temporary KV cache); on CPU
+    cpu_kvcache_space_gib. `device`: this rank's. Under tensor parallelism every rank takes the fewest any rank can hold.
+    Raises ValueError when not even one max_model_len sequence fits."""
+    block_bytes = spec.block_bytes
+    if config.num_kvcache_blocks is not None:
+        num_blocks, budget = config.num_kvcache_blocks, "num_kvcache_blocks"
+    elif device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        warmup_bytes = profile()
+        free, total = torch.cuda.mem_get_info()
+        stats = torch.cuda.memory_stats()
+        peak = stats["allocated_bytes.all.peak"] - warmup_bytes  # the warm-up's own KV cache is not activation
+        used_outside = (total - free) - stats["reserved_bytes.all.current"]  # CUDA context, other processes
+        available = total * config.gpu_memory_utilization - used_outside - peak
+        num_blocks, budget = int(available // block_bytes), "gpu_memory_utilization"
+    else:
+        limit = config.max_num_seqs * max_blocks_per_seq  # more would never be used at once
+        num_blocks = min(int(config.cpu_kvcache_space_gib * 2**30) // block_bytes, limit)
+        budget = "cpu_kvcache_space_gib"
+    if world_size > 1:
+        count = torch.tensor([num_blocks], device=device)
+        dist.all_reduce(count, dist.ReduceOp.MIN)
+        num_blocks = int(count.item())
+    if num_blocks < max_blocks_per_seq:
+        raise ValueError(
+            f"the KV cache holds {max(num_blocks, 0)} blocks of {spec.block_size} tokens "
+            f"({max(num_blocks, 0) * block_bytes / 2**30:.2f} GiB), but one sequence of max_model_len="
+            f"{config.max_model_len} needs {max_blocks_per_seq} ({max_blocks_per_seq * block_bytes / 2**30:.2f} GiB); "
+            f"raise {budget} or lower max_model_len" + ("" if budget == "num_kvcache_blocks" else " (or set num_kvcache_blocks)"))
+    return num_blocks

@@ -1,0 +1,132 @@
+"""A step's inputs: planned on the host (StepPlan), staged to the device in two copies, and the
+sampling parameters of its sampled rows as tensors."""
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+
+
+@dataclass
+class StepPlan:
+    """One step's inputs as host arrays (int64), T tokens of S sequences; what rank 0 sends to
+    the other tensor-parallel ranks, with input_ids and pending left out (the ids are broadcast)."""
+    input_ids: np.ndarray | None  # [T]; PLACEHOLDER where the previous step's sampled token goes
+    pending: np.ndarray | None  # [P, 2]: (token index, row of the previous step's sampled tokens)
+    positions: np.ndarray  # [T]
+    cu_seqlens_q: np.ndarray  # [S + 1]
+    context_lens: np.ndarray  # [S]: tokens in the cache after this step
+    slot_mapping: np.ndarray  # [T]: KV cache slot of each new token
+    block_tables: np.ndarray  # [S, max blocks], -1 padded
+    sample_rows: np.ndarray  # token rows whose logits are sampled
+    is_decode: bool
+    max_seqlen_q: int
+
+    INT32 = ("cu_seqlens_q", "context_lens", "block_tables")  # the rest go up as int64
+
+
+def plan_step(scheduled: list[tuple[Sequence, int]], block_size: int,
+              prev_rows: dict[int, int]) -> tuple[StepPlan, list[Sequence]]:
+    """Pack the scheduled (sequence, new tokens) pairs into a StepPlan; also returns the sequences
+    sampled this step, in row order. The rule for which rows sample lives here: a sequence samples
+    when its new tokens reach its end. A PLACEHOLDER input token is the previous step's sampled
+    token of that sequence, at row prev_rows[seq_id] of its sampled tensor. Index math is vectorised."""
+    num_seqs = len(scheduled)
+    counts = np.fromiter((n for _, n in scheduled), np.int64, num_seqs)
+    context_lens = np.fromiter((seq.num_computed_tokens for seq, _ in scheduled), np.int64, num_seqs)
+    starts = context_lens - counts
+    cu_q = np.zeros(num_seqs + 1, np.int64)
+    np.cumsum(counts, out=cu_q[1:])
+    width = int(-(-context_lens.max() // block_size))
+    block_tables = np.full((num_seqs, width), -1, np.int64)
+    input_ids, pending, samples = [], [], []
+    for i, (seq, n) in enumerate(scheduled):
+        table = seq.block_table[:width]
+        block_tables[i, :len(table)] = table
+        input_ids.extend(seq.token_ids[int(starts[i]):int(context_lens[i])])
+        if input_ids[-1] == PLACEHOLDER:
+            pending.append((len(input_ids) - 1, prev_rows[seq.seq_id]))
+        if context_lens[i] == len(seq):
+            samples.append(i)
+    seq_of_token = np.repeat(np.arange(num_seqs), counts)
+    positions = np.arange(cu_q[-1]) - cu_q[seq_of_token] + starts[seq_of_token]
+    slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    plan = StepPlan(np.array(input_ids, np.int64), np.array(pending, np.int64).reshape(-1, 2), positions, cu_q,
+                    context_lens, slot_mapping, block_tables, cu_q[np.array(samples, np.int64) + 1] - 1,
+                    bool((counts == 1).all()), int(counts.max()))
+    return plan, [scheduled[i][0] for i in samples]
+
+
+class Stager:
+    """Copies a step's host arrays to the device, one transfer per dtype. On CUDA they are packed
+    into one of two pinned buffers per dtype, used in turn, and copied asynchronously; a buffer is
+    refilled only after its last copy has run (its event), since steps that sample nothing
+    (prompt chunks) and tensor-parallel workers may run ahead of the GPU. Every array starts
+    16-byte aligned: Triton compiles a kernel anew for a pointer that is not."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._slots: dict[torch.dtype, list] = {}  # dtype -> two [pinned buffer, event]
+
+    def upload(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
+        """The host arrays on the device as `dtype`, in one transfer."""
+        align = 16 // dtype.itemsize
+        starts = np.cumsum([0] + [-(-a.size // align) * align for a in arrays])
+        total = int(starts[-1])
+        if self.device.type != "cuda":
+            flat = torch.empty(total, dtype=dtype)
+            host = flat.numpy()
+        else:
+            slots = self._slots.setdefault(dtype, [[torch.empty(0, dtype=dtype), torch.cuda.Event()] for _ in range(2)])
+            slots.reverse()
+            slot = slots[0]
+            slot[1].synchronize()
+            if slot[0].numel() < total:  # grows during the start-up warm-up (the largest step), rarely later
+                slot[0] = torch.empty(2 * total, dtype=dtype, pin_memory=True)
+            host = slot[0].numpy()
+        for a, start in zip(arrays, starts):
+            host[start:start + a.size] = a.ravel()
+        if self.device.type == "cuda":
+            flat = slot[0][:total].to(self.device, non_blocking=True)
+            slot[1].record()
+        return [flat[start:start + a.size].view(a.shape) for a, start in zip(arrays, starts)]
+
+    def upload_plan(self, plan: StepPlan) -> dict[str, torch.Tensor]:
+        """Every array of the plan on the device, by field name (StepPlan.INT32 as int32, the rest
+        int64); input_ids and pending only when the plan has them."""
+        names = [n for n in ("input_ids", "pending", "positions", "slot_mapping", "sample_rows", *StepPlan.INT32)
+                 if getattr(plan, n) is not None]
+        int32 = [n for n in names if n in StepPlan.INT32]
+        int64 = [n for n in names if n not in StepPlan.INT32]
+        tensors = dict(zip(int32, self.upload([getattr(plan, n) for n in int32], torch.int32)))
+        tensors.update(zip(int64, self.upload([getattr(plan, n) for n in int64], torch.int64)))
+        return tensors
+
+
+def sampling_tensors(seqs: list[Sequence], device: torch.device) -> dict:
+    """The Sampler's keyword arguments for these rows: temperatures, and top_k / top_p / min_p
+    only when some row uses them; {} when every row is greedy. A seeded row's noise comes from a
+    generator seeded by (its seed, its completion length), so it repeats whatever the batch and
+    after a preemption."""
+    params = [seq.sampling_params for seq in seqs]
+    if all(p.temperature == 0 for p in params):
+        return {}
+
+    def dev(values, dtype):
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    out = {"temperatures": dev([p.temperature for p in params], torch.float32)}
+    if any(p.top_k > 0 for p in params):
+        out["top_k"] = dev([p.top_k for p in params], torch.int64)
+    if any(p.top_p < 1 for p in params):
+        out["top_p"] = dev([p.top_p for p in params], torch.float32)
+    if any(p.min_p > 0 for p in params):
+        out["min_p"] = dev([p.min_p for p in params], torch.float32)
+    generators = {row: torch.Generator(device).manual_seed(hash((seq.sampling_params.seed, seq.num_completion_tokens))
+                                                           % 2**63)
+                  for row, seq in enumerate(seqs)
+                  if seq.sampling_params.seed is not None and seq.sampling_params.temperature > 0}
+    if generators:
+        out["generators"] = generators
+    return out

@@ -1,0 +1,106 @@
+"""What an attention backend is: the metadata it reads each step, and the methods the model
+(forward), the KV cache (bind_kv_cache) and the CUDA graph runner (the graph hooks) call.
+
+To add a backend, subclass AttentionBackend, override `attend` (and `forward` to fuse the
+rotary embedding with the K/V store, or `build_metadata` for metadata of its own), and name
+it in `nanovllm.layers.attention.BACKENDS`.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One packed step of B sequences and T new tokens, on the device.
+
+    positions: [T] int64, position of each new token in its sequence.
+    slot_mapping: [T] int64, KV cache slot (block * block_size + offset) of each new token; -1 skips.
+    cu_seqlens_q: [B + 1] int32, offsets of each sequence's new tokens in the packed batch.
+    context_lens: [B] int32, keys per sequence after this step (cached + new tokens).
+    block_tables: [B, max_blocks] int32, each sequence's physical KV blocks in order.
+    max_seqlen_q: the longest run of new tokens. is_decode: every sequence has one new token.
+    """
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_seqlen_q: int
+    is_decode: bool
+
+
+class AttentionBackend:
+    """Paged attention over the KV cache [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+    (K then V). Keys and values are always read back from the cache, so prefix-cache hits,
+    chunked prefill and decode are one code path. One instance per ModelRunner, given to every
+    Attention layer when the model is built."""
+    name = "base"
+    supports_cuda_graphs = False  # True when launch shapes depend only on the batch size
+
+    def __init__(self):
+        self.k_caches: list[torch.Tensor] = []  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+        self.v_caches: list[torch.Tensor] = []
+        self.graph_meta: AttentionMetadata | None = None
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor | None):
+        """Use `kv_cache` (see the class docstring) from the next step on; None unbinds it."""
+        self.k_caches = [] if kv_cache is None else list(kv_cache[0])
+        self.v_caches = [] if kv_cache is None else list(kv_cache[1])
+
+    def build_metadata(self, plan, tensors: dict[str, torch.Tensor]) -> AttentionMetadata:
+        """The step's metadata from its StepPlan (host) and the plan's arrays on the device (by field name)."""
+        return AttentionMetadata(tensors["positions"], tensors["slot_mapping"], tensors["cu_seqlens_q"],
+                                 tensors["context_lens"], tensors["block_tables"], plan.max_seqlen_q, plan.is_decode)
+
+    def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One Attention layer's work: rotary embedding (after the per-head norms, if any) of
+        q: [T, num_heads, head_dim] and k: [T, num_kv_heads, head_dim], k and v into the cache,
+        then attention. Returns [T, num_heads, head_dim]."""
+        q, k = layer.rotary_emb(meta.positions, q, k, layer.qk_norms)
+        self.store_kv(layer.layer_idx, k, v, meta.slot_mapping)
+        return self.attend(layer.layer_idx, q, meta, layer.scale)
+
+    def store_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor):
+        """Scatter k, v: [T, num_kv_heads, head_dim] into layer `layer_idx`'s cache at the flat slots
+        slot_mapping [T]; slot -1 is skipped."""
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
+        k_cache.view(-1, *k.shape[1:])[slots] = k[keep].to(k_cache.dtype)
+        v_cache.view(-1, *v.shape[1:])[slots] = v[keep].to(v_cache.dtype)
+
+    def attend(self, layer_idx: int, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal attention of the new tokens q: [T, num_heads, head_dim] over their sequences'
+        cached keys; a query at index i of a run of n new tokens sits at position context_len - n + i."""
+        raise NotImplementedError
+
+    # ---- CUDA graphs: static metadata buffers that captured graphs read ----------------------
+
+    def init_graph_state(self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device):
+        """Allocate the static metadata of decode graphs for up to max_num_seqs sequences."""
+        def zeros(*shape, dtype=torch.int32):
+            return torch.zeros(shape, dtype=dtype, device=device)
+        self.graph_meta = AttentionMetadata(
+            positions=zeros(max_num_seqs, dtype=torch.int64),
+            slot_mapping=torch.full((max_num_seqs,), -1, dtype=torch.int64, device=device),
+            cu_seqlens_q=torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device),
+            context_lens=zeros(max_num_seqs), block_tables=zeros(max_num_seqs, max_blocks_per_seq),
+            max_seqlen_q=1, is_decode=True)
+
+    def graph_metadata(self, batch_size: int) -> AttentionMetadata:
+        """The static metadata of a decode batch of batch_size sequences (what a graph captures)."""
+        g = self.graph_meta
+        return AttentionMetadata(g.positions[:batch_size], g.slot_mapping[:batch_size], g.cu_seqlens_q[:batch_size + 1],
+                                 g.context_lens[:batch_size], g.block_tables[:batch_size], 1, True)
+
+    def prepare_graph_replay(self, meta: AttentionMetadata):
+        """Copy a decode step's metadata into the static buffers. Rows past the batch (padding up to
+        the captured size) get slot -1 (no KV write) and context length 0 (zero output)."""
+        g, n = self.graph_meta, meta.context_lens.size(0)
+        g.positions[:n] = meta.positions
+        g.slot_mapping.fill_(-1)
+        g.slot_mapping[:n] = meta.slot_mapping
+        g.context_lens.zero_()
+        g.context_lens[:n] = meta.context_lens
+        g.block_tables[:n, :meta.block_tables.size(1)] = meta.block_tables

@@ -1,0 +1,123 @@
+"""Turns the user's `model` argument into a local path, a load format, a Hugging Face config, a
+tokenizer and a stream of checkpoint tensors.
+
+Accepted: a local Hugging Face directory (config.json, *.safetensors, tokenizer files), a hub id
+(downloaded with huggingface_hub), a `.gguf` file, or, with load_format="dummy", the name of a
+config shipped with the package (e.g. "Qwen/Qwen3-0.6B") for random weights.
+"""
+import glob
+import json
+import os
+from pathlib import Path
+
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "models" / "configs"
+BUILTIN_CONFIGS = {p.stem: p for p in CONFIG_DIR.glob("*.json")}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def resolve_path(model: str, load_format: str) -> tuple[str, str]:
+    """(local path, concrete load format: "safetensors", "gguf" or "dummy") for `model` (see the
+    module docstring); hub ids are downloaded. Raises FileNotFoundError for a missing path or
+    config.json, ValueError for a file that is not a model (missing weights: safetensors_files)."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be a path, a hub id or a builtin config name, got {type(model).__name__}")
+    model = os.path.expanduser(str(model))
+    if load_format == "dummy" and not os.path.exists(model):
+        name = model.split("/")[-1].lower()
+        if name not in BUILTIN_CONFIGS:
+            raise FileNotFoundError(f"{model!r} is neither a directory nor a builtin config; builtin configs for "
+                                    f"load_format='dummy': {', '.join(sorted(BUILTIN_CONFIGS))}")
+        return str(BUILTIN_CONFIGS[name]), "dummy"
+    if os.path.isfile(model) and (model.endswith(".gguf") or load_format == "gguf"):
+        return os.path.abspath(model), "gguf"
+    if not os.path.exists(model):
+        model = _download(model)
+    if not os.path.isdir(model):
+        raise ValueError(f"{model} is a file but not a .gguf model; pass a model directory or a .gguf file")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise FileNotFoundError(f"{model} has no config.json; it is not a Hugging Face model directory")
+    return model, "dummy" if load_format == "dummy" else "safetensors"
+
+
+def read_hf_config(path: str, load_format: str) -> PretrainedConfig:
+    """The model's config; ValueError when it cannot be read."""
+    try:
+        if load_format == "gguf":
+            folder, name = os.path.split(path)
+            return AutoConfig.from_pretrained(folder, gguf_file=name)
+        return AutoConfig.from_pretrained(path)
+    except Exception as e:
+        what = "GGUF file" if load_format == "gguf" else "config of"
+        raise ValueError(f"cannot read {what} {path}: {e}") from None
+
+
+def load_tokenizer(path: str, load_format: str):
+    """The model's tokenizer, or None when it has none (token-id prompts still work)."""
+    kwargs = {}
+    if load_format == "gguf":
+        path, kwargs["gguf_file"] = os.path.split(path)
+    elif not os.path.isdir(path) or not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    except (OSError, ValueError):
+        return None
+
+
+def iter_weights(path: str, load_format: str, hf_config: PretrainedConfig):
+    """(Hugging Face name, tensor) pairs of the checkpoint at `path` ("safetensors" or "gguf";
+    a GGUF's tensor names come from transformers' mapping for `hf_config`).
+    Raises ValueError naming an unreadable file."""
+    if load_format == "gguf":
+        yield from _iter_gguf(path, hf_config)
+        return
+    from safetensors import safe_open
+    for file in safetensors_files(path):
+        try:
+            with safe_open(file, "pt", "cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise ValueError(f"cannot read weights file {file}: {e}") from None
+
+
+def _iter_gguf(file: str, hf_config):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    with torch.device("meta"):  # only the module names are needed to map GGUF tensors
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    yield from load_gguf_checkpoint(file, return_tensors=True, model_to_load=skeleton)["tensors"].items()
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The checkpoint's *.safetensors files (per its index, when it has one); FileNotFoundError when
+    there are none or the index names a missing shard."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        for name in files:
+            if not os.path.isfile(os.path.join(path, name)):
+                raise FileNotFoundError(f"{index} names shard {name!r}, which is not in {path}")
+        return [os.path.join(path, name) for name in files]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path} (use load_format='dummy' for random weights)")
+    return files
+
+
+def _download(repo_id: str) -> str:
+    looks_like_hub_id = repo_id.count("/") == 1 and not repo_id.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise FileNotFoundError(f"model path {repo_id!r} does not exist")
+    from huggingface_hub import snapshot_download
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+    try:
+        return snapshot_download(repo_id, allow_patterns=patterns)
+    except Exception as e:
+        raise FileNotFoundError(f"{repo_id!r} is not a local path and could not be downloaded from the "
+                                f"Hugging Face hub ({type(e).__name__}: {e}); pass a local directory instead") from None

@@ -1,0 +1,130 @@
+"""The decoder shared by Qwen3, Qwen2 and Llama: pre-norm blocks of GQA attention with rotary
+embeddings and a SwiGLU MLP. Qwen3 normalises q and k per head (q_norm/k_norm), Qwen2 has a
+bias on q/k/v, Llama has neither; the three classes at the end only set those flags.
+
+Every module takes `tp` (this rank's TensorParallel) and the attention backend when it is built;
+forward takes the step's AttentionMetadata explicitly."""
+import torch
+from torch import nn
+
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.parallel.state import TensorParallel
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool, tp: TensorParallel,
+                 backend: AttentionBackend | None):
+        super().__init__()
+        hidden = config.hidden_size
+        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // num_heads
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, tp, bias=qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, tp)
+        norms = None
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            norms = (self.q_norm, self.k_norm)
+        rotary_emb = RotaryEmbedding(config, self.head_dim, config.max_position_embeddings)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, layer_idx, rotary_emb, norms, backend)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config, tp: TensorParallel):
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], tp)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool, tp: TensorParallel,
+                 backend: AttentionBackend | None):
+        super().__init__()
+        self.self_attn = DecoderAttention(config, layer_idx, qkv_bias, qk_norm, tp, backend)
+        self.mlp = DecoderMLP(config, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, residual, meta: AttentionMetadata):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallel, backend: AttentionBackend | None):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, qkv_bias, qk_norm, tp, backend)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class DecoderForCausalLM(nn.Module):
+    """forward(input_ids [T] int64, meta) -> hidden [T, hidden_size];
+    compute_logits(hidden [N, hidden_size]) -> [N, vocab_size] in the model dtype (rank 0; None on others).
+    backend may be None for a model that never runs (built on the meta device to count parameters)."""
+    qkv_bias = False
+    qk_norm = False
+    # checkpoint name fragment -> (packed parameter fragment, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, tp: TensorParallel = TensorParallel(), backend: AttentionBackend | None = None):
+        super().__init__()
+        self.model = DecoderModel(config, self.qkv_bias, self.qk_norm, tp, backend)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden)
+
+
+class Qwen3ForCausalLM(DecoderForCausalLM):
+    """Qwen3: RMSNorm of q and k per head before the rotation."""
+    qk_norm = True
+
+
+class Qwen2ForCausalLM(DecoderForCausalLM):
+    """Qwen2 / Qwen2.5: bias on the q, k, v projections."""
+    qkv_bias = True
+
+
+class LlamaForCausalLM(DecoderForCausalLM):
+    """Llama 2/3 (and SmolLM): no q/k norm, no bias; rope scaling comes from the config."""
