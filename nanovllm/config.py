@@ -11,7 +11,8 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from nanovllm.layers.attention import BACKENDS
-from nanovllm.loader.source import LOAD_FORMATS, load_tokenizer, read_hf_config, resolve_path, safetensors_files
+from nanovllm.loader.source import (LOAD_FORMATS, load_tokenizer, read_generation_defaults, read_hf_config,
+                                    resolve_path, safetensors_files)
 from nanovllm.models.registry import model_class
 
 DTYPES = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -19,7 +20,7 @@ DTYPES = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfl
 DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", *BACKENDS)
 KV_CACHE_DTYPES = ("auto",)
-RESOLVED = ("hf_config", "tokenizer", "eos_token_ids")  # set by create(), not engine arguments
+RESOLVED = ("hf_config", "tokenizer", "eos_token_ids", "generation_defaults", "max_model_len_is_default")  # set by create(), not engine arguments
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,12 @@ class Config:
     (Triton on CUDA, torch otherwise), "triton", "torch". seed: seeds dummy weights and unseeded
     sampling. tensor_parallel_size: GPUs (or CPU processes) one model is split across.
     data_parallel_size: engine replicas, each on its own tensor_parallel_size GPUs, that share the
-    prompts of a generate call.
+    prompts of a generate call. generation_config: "auto" (the model's generation_config.json gives
+    the default SamplingParams' temperature, top_p, top_k, min_p and repetition_penalty) or
+    "vllm" (vLLM's defaults). When max_model_len is left unset and the model's maximum does not
+    fit the KV cache, the engine lowers it to what fits (and logs it). logprobs_mode: "raw_logprobs"
+    (the model's log-softmax) or "processed_logprobs" (of the logits sampled from: after penalties,
+    bias, masks, temperature and filters).
 
     After `create`, model is a local path, dtype a torch.dtype, device a torch.device, load_format,
     attention_backend and max_model_len concrete, and hf_config, tokenizer and eos_token_ids set.
@@ -60,10 +66,14 @@ class Config:
     seed: int = 0
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    generation_config: str = "auto"
+    logprobs_mode: str = "raw_logprobs"
     # resolved by create()
     hf_config: object = field(default=None, repr=False)
     tokenizer: object = field(default=None, repr=False, compare=False)
     eos_token_ids: frozenset = frozenset()
+    generation_defaults: dict = field(default_factory=dict, compare=False)
+    max_model_len_is_default: bool = False  # then the engine may lower it to what the KV cache holds
 
     @classmethod
     def create(cls, model: str, with_tokenizer: bool = True, **engine_args) -> "Config":
@@ -88,7 +98,9 @@ class Config:
                        dtype=_resolve_dtype(args.dtype, device, hf_config),
                        attention_backend=_resolve_backend(args.attention_backend, device, _head_dim(hf_config)),
                        max_model_len=_resolve_max_model_len(args.max_model_len, hf_config),
-                       eos_token_ids=_eos_token_ids(hf_config, tok))
+                       eos_token_ids=_eos_token_ids(hf_config, tok), max_model_len_is_default=args.max_model_len is None,
+                       generation_defaults=read_generation_defaults(path, load_format)
+                       if args.generation_config == "auto" else {})
 
     def _validate(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size",
@@ -107,7 +119,9 @@ class Config:
         if not self.cpu_kvcache_space_gib > 0:
             raise ValueError(f"cpu_kvcache_space_gib must be > 0, got {self.cpu_kvcache_space_gib}")
         for name, allowed in (("dtype", ("auto", *DTYPES)), ("kv_cache_dtype", KV_CACHE_DTYPES), ("device", DEVICES),
-                              ("load_format", LOAD_FORMATS), ("attention_backend", ATTENTION_BACKENDS)):
+                              ("load_format", LOAD_FORMATS), ("attention_backend", ATTENTION_BACKENDS),
+                              ("generation_config", ("auto", "vllm")),
+                              ("logprobs_mode", ("raw_logprobs", "processed_logprobs"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
         if self.device == "cuda" and not torch.cuda.is_available():

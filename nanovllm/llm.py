@@ -1,4 +1,6 @@
 """The user-facing entry point: `LLM(model, **engine_args).generate(prompts, sampling_params)`."""
+import threading
+from dataclasses import replace
 from itertools import count
 
 from tqdm.auto import tqdm
@@ -7,21 +9,25 @@ from nanovllm.config import Config
 from nanovllm.engine.base import EngineBase
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
     """Owns one engine: an LLMEngine, or with data_parallel_size > 1 a DataParallelEngine of that
     many replicas. Engine arguments are vLLM's names (see Config); ValueError or TypeError for a
-    bad one, FileNotFoundError for a missing model, before anything is loaded."""
+    bad one, FileNotFoundError for a missing model, before anything is loaded. Calls from several
+    threads are served one after another."""
 
     def __init__(self, model: str, **engine_args):
-        self.config = config = Config.create(model, **engine_args)
-        if config.data_parallel_size > 1:
+        self.config = Config.create(model, **engine_args)
+        if self.config.data_parallel_size > 1:
             from nanovllm.parallel.data_parallel import DataParallelEngine
-            self.engine: EngineBase = DataParallelEngine(config)
+            self.engine: EngineBase = DataParallelEngine(self.config)
         else:
-            self.engine = LLMEngine(config)
+            self.engine = LLMEngine(self.config)
+        self.config = self.engine.config  # max_model_len may have been lowered to what the KV cache holds
         self._request_ids = count()
+        self._lock = threading.Lock()
 
     @property
     def tokenizer(self):
@@ -31,27 +37,39 @@ class LLM:
     def get_tokenizer(self):
         return self.config.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's defaults overridden by the model's generation_config.json (temperature, top_p,
+        top_k, min_p, repetition_penalty), unless the engine has generation_config="vllm"."""
+        return SamplingParams(**self.config.generation_defaults)
+
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete every prompt (strings, token-id lists, or {"prompt_token_ids": ...} dicts) with its
-        SamplingParams (one for all, or one per prompt). Returns one RequestOutput per prompt, in
-        input order.
+        SamplingParams (one for all, or one per prompt; None: get_default_sampling_params()).
+        Returns one finished RequestOutput per prompt, in input order.
 
         Raises ValueError("request i: ...") before any work if any request is invalid; then none of
         the call's requests run (the whole call is refused, so a batch never half-runs). If an
         exception or KeyboardInterrupt interrupts the call, its requests are dropped, their blocks
         freed, and the engine is ready for the next call."""
-        requests = self.engine.processor.normalize(prompts, sampling_params)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        processor = self.engine.processor
+        requests = processor.normalize(prompts, sampling_params)
         for i, (prompt, params) in enumerate(requests):  # validate all before queuing any
             try:
-                self.engine.processor.make_sequence("", prompt, params)
+                processor.make_request("", prompt, params)
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
+        with self._lock:
+            return self._run(requests, use_tqdm)
+
+    def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
         ids = [str(next(self._request_ids)) for _ in requests]
         outputs: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
             for request_id, (prompt, params) in zip(ids, requests):
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     outputs[out.request_id] = out
@@ -63,6 +81,29 @@ class LLM:
             bar.close()
         return [outputs[i] for i in ids]
 
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a list
+        of them, each rendered by the tokenizer's chat template (or `chat_template`);
+        chat_template_kwargs go to the template (e.g. {"enable_thinking": False} for Qwen3).
+        ValueError when the model has no tokenizer or no chat template."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs the model's tokenizer, and it has none")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        try:
+            prompts = [self.tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+                for conversation in conversations]
+        except ValueError as e:  # transformers: no chat template
+            raise ValueError(f"cannot apply the chat template: {e}") from None
+        # the template already holds the special tokens (e.g. BOS); encode must not add them again
+        prompts = [{"prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False), "prompt": p}
+                   for p in prompts]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (e.g. between benchmark runs); False while requests hold blocks."""
-        return self.engine.reset_prefix_cache()
+        with self._lock:
+            return self.engine.reset_prefix_cache()

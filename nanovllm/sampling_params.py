@@ -1,42 +1,141 @@
-from dataclasses import dataclass
+"""SamplingParams: how each request is completed; fields, defaults and meanings are vLLM's."""
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from numbers import Integral, Real
+
+
+class RequestOutputKind(Enum):
+    """What LLMEngine.step reports of an unfinished request (vLLM's names): CUMULATIVE, everything
+    so far; DELTA, only the new tokens and text; FINAL_ONLY, nothing until it finishes."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
 class SamplingParams:
-    """How to pick each next token; names and meanings follow vLLM's `SamplingParams`.
+    """How to pick each next token and when to stop (vLLM's `SamplingParams`).
 
-    temperature: 0 means greedy (argmax); otherwise logits are divided by it. Must be >= 0.
-    top_k: keep the k most likely tokens; -1 (or 0) keeps all.
-    top_p: keep the smallest set of tokens whose probability sums to >= top_p; in (0, 1].
-    min_p: drop tokens whose probability is below min_p times the most likely one's; in [0, 1].
-    max_tokens: most tokens to generate (>= 1); finish_reason "length" when reached.
-    ignore_eos: keep generating past the end-of-sequence token.
-    stop_token_ids: further token ids that end the completion (finish_reason "stop").
-    seed: per-request seed; the same seed and prompt give the same completion.
+    n: independent completions of the prompt (the prompt is prefilled once).
+    temperature: 0 is greedy (argmax); otherwise logits are divided by it.
+    top_k: keep the k most likely tokens (0 or -1: all). top_p: keep the smallest set whose
+    probability reaches top_p, in (0, 1]. min_p: drop tokens below min_p times the top one's, in [0, 1].
+    presence_penalty, frequency_penalty: in [-2, 2], subtracted from the logit of every token the
+    completion holds, once / per occurrence (OpenAI's definition).
+    repetition_penalty: > 0; logits of tokens in the prompt or completion are divided by it when
+    positive and multiplied when negative (Keskar et al. 2019, CTRL; as transformers).
+    seed: the same seed, prompt and parameters give the same completion, whatever the batch.
+    stop: strings that end the completion (cut from the text unless include_stop_str_in_output).
+    stop_token_ids: token ids that end it (kept in token_ids). ignore_eos: go on past EOS.
+    max_tokens: most completion tokens (None: up to max_model_len). min_tokens: EOS and
+    stop_token_ids are masked (and stop strings ignored) until this many were generated.
+    logprobs: return the log-probabilities of the sampled token and this many top tokens per step.
+    prompt_logprobs: likewise for each prompt token. detokenize: produce text.
+    skip_special_tokens, spaces_between_special_tokens: how text is decoded (as transformers' decode).
+    logit_bias: {token id: bias added to its logit}. allowed_token_ids: only these may be sampled.
+    bad_words: words never generated (each token sequence of the word, with and without a leading
+    space, is blocked at its last token).
+    output_kind: what LLMEngine.step reports of unfinished requests (LLM.generate sets FINAL_ONLY).
     """
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
-    top_k: int = -1
     top_p: float = 1.0
+    top_k: int = 0
     min_p: float = 0.0
-    max_tokens: int = 16
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
     seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # derived by validate(): `stop` as a tuple, and whether anything but temperature and the filters
+    # shapes the sampling (penalties, logit_bias, banned or allowed tokens, min_tokens, logprobs)
+    stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
+    needs_processing: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self):
         self.validate()
 
     def validate(self):
-        """Raise ValueError naming the first field that is out of range."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (all), 0 (all) or a positive integer, got {self.top_k!r}")
-        if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
+        """Raise ValueError naming the first field that is wrong and what it allows. Checks that
+        need the model (token ids inside its vocabulary) are the engine's (Processor)."""
+        _int(self, "n", 1)
+        _real(self, "presence_penalty", -2, 2)
+        _real(self, "frequency_penalty", -2, 2)
+        _real(self, "repetition_penalty", 0, math.inf, low_open=True)
+        _real(self, "temperature", 0, math.inf)
+        _real(self, "top_p", 0, 1, low_open=True)
+        _real(self, "min_p", 0, 1)
+        _int(self, "top_k", -1)
+        if self.seed is not None:
+            _int(self, "seed", -2**63, 2**64 - 1)
+        if self.max_tokens is not None:
+            _int(self, "max_tokens", 1)
+        _int(self, "min_tokens", 0, self.max_tokens)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _int(self, name, 0)
+        for name in ("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are found in the text)")
+        self.stop_strings = tuple(stop)
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name)
+            if ids is not None and (not isinstance(ids, (list, tuple, set)) or not all(_is_id(t) for t in ids)):
+                raise ValueError(f"{name} must be a list of non-negative integer token ids, got {ids!r}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty (nothing could be sampled)")
+        if self.logit_bias is not None and (not isinstance(self.logit_bias, dict) or not all(
+                _is_id(t) and _finite(b) for t, b in self.logit_bias.items())):
+            raise ValueError(f"logit_bias must map token ids to finite numbers, got {self.logit_bias!r}")
+        if self.bad_words is not None and (not isinstance(self.bad_words, (list, tuple))
+                                           or not all(isinstance(w, str) and w for w in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        self.needs_processing = bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                                     or self.logit_bias or self.bad_words or self.allowed_token_ids is not None
+                                     or self.min_tokens or self.logprobs is not None)
+
+
+def _is_id(t) -> bool:
+    return isinstance(t, Integral) and not isinstance(t, bool) and t >= 0
+
+
+def _finite(x) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _int(params, name: str, low: int, high: int | None = None):
+    value = getattr(params, name)
+    if not isinstance(value, Integral) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+
+
+def _real(params, name: str, low: float, high: float, low_open: bool = False):
+    value = getattr(params, name)
+    if not (isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+            and (value > low if low_open else value >= low) and value <= high):
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high == math.inf else ']'}"
+        raise ValueError(f"{name} must be a finite number in {interval}, got {value!r}")

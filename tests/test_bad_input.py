@@ -31,6 +31,11 @@ def still_works(llm, hf_model):
     ([[1], [2]], [SamplingParams()], "got 1 SamplingParams for 2 prompts"),
     ([1, 2, 3], None, "list of strings or a list of token-id lists"),
     ([[1], 5], None, "request 1: a prompt must be a string or a list of ints"),
+    ([[1, True]], None, "prompt token 1 is True, not an integer token id"),
+    ([[1, 2.0]], None, "prompt token 1 is 2.0, not an integer token id"),
+    ([[1, 2]], SamplingParams(stop_token_ids=[VOCAB]), "stop_token_ids .* outside the vocabulary"),
+    ([[1, 2]], SamplingParams(logit_bias={VOCAB + 3: 1.0}), "logit_bias token ids .* outside the vocabulary"),
+    ([[1, 2]], SamplingParams(stop=["x"]), "need the model's tokenizer"),
 ])
 def test_bad_prompts(llm, tiny_qwen3, prompts, params, message):
     with pytest.raises(ValueError, match=message):
@@ -40,11 +45,24 @@ def test_bad_prompts(llm, tiny_qwen3, prompts, params, message):
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
-    (dict(temperature=-0.5), "temperature must be >= 0"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(min_p=2.0), r"min_p must be in \[0, 1\]"),
-    (dict(top_k=-3), "top_k must be"),
+    (dict(temperature=-0.5), r"temperature must be a finite number in \[0, inf\)"),
+    (dict(temperature=float("nan")), "temperature must be a finite number.*got nan"),
+    (dict(temperature="0.5"), "temperature must be a finite number.*got '0.5'"),
+    (dict(top_p=0.0), r"top_p must be a finite number in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be a finite number in \(0, 1\]"),
+    (dict(min_p=2.0), r"min_p must be a finite number in \[0, 1\]"),
+    (dict(top_k=-3), "top_k must be an integer >= -1"),
+    (dict(stop_token_ids=5), "stop_token_ids must be a list of non-negative integer token ids"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids must be a list of non-negative integer token ids"),
+    (dict(seed=2**70), "seed must be an integer in"),
+    (dict(n=0), "n must be an integer >= 1"),
+    (dict(repetition_penalty=0.0), r"repetition_penalty must be a finite number in \(0, inf\)"),
+    (dict(presence_penalty=3.0), r"presence_penalty must be a finite number in \[-2, 2\]"),
+    (dict(min_tokens=20), r"min_tokens must be an integer in \[0, 16\]"),
+    (dict(logprobs=-2), "logprobs must be an integer >= 0"),
+    (dict(stop=[""]), "stop must be a non-empty string or a list of them"),
+    (dict(logit_bias={1: float("inf")}), "logit_bias must map token ids to finite numbers"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),
 ])
 def test_bad_sampling_params(llm, tiny_qwen3, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -92,10 +110,24 @@ def test_bad_engine_arguments(tiny_qwen3):
                             (dict(load_format="pickle"), "load_format must be"),
                             (dict(attention_backend="magic"), "attention_backend must be"),
                             (dict(max_model_len=10**6), "exceeds the model's max_position_embeddings"),
-                            (dict(num_kvcache_blocks=2, kvcache_block_size=16), "raise num_kvcache_blocks")]:
+                            (dict(kv_cache_dtype="int4"), r"kv_cache_dtype must be one of \['auto'\]"),
+                            (dict(generation_config="mine"), "generation_config must be one of"),
+                            (dict(num_kvcache_blocks=2, kvcache_block_size=16, max_model_len=64),
+                             "raise num_kvcache_blocks")]:
         with pytest.raises(ValueError, match=message):
             LLM(path, **{"device": "cpu", **kwargs})
     assert os.path.isdir(path)
+
+
+def test_default_max_model_len_is_lowered_to_the_kv_cache(tiny_qwen3, caplog):
+    """max_model_len left unset: the model's 512 does not fit 2 blocks of 16, so it becomes 32 (logged);
+    an explicit max_model_len that does not fit still fails (test_bad_engine_arguments)."""
+    llm = LLM(tiny_qwen3[0], device="cpu", num_kvcache_blocks=2, kvcache_block_size=16)
+    assert llm.config.max_model_len == 32 and "max_model_len lowered from the model's 512 to 32" in caplog.text
+    with pytest.raises(ValueError, match="more than max_model_len=32"):
+        llm.generate([[1] * 33], use_tqdm=False)
+    out = llm.generate([[1] * 30], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 2 and out.finish_reason == "length"
 
 
 def test_stop_conditions(llm, tiny_qwen3):

@@ -1,7 +1,11 @@
 import pytest
 import torch
 
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, SamplingTensors
+
+
+def sample(sampler, x, temperatures=None, **kwargs):
+    return sampler(x, SamplingTensors(temperatures, **kwargs))[0]
 
 
 def logits(n=6, vocab=50, seed=0):
@@ -10,9 +14,9 @@ def logits(n=6, vocab=50, seed=0):
 
 def test_greedy_is_argmax():
     x = logits()
-    assert torch.equal(Sampler()(x), x.argmax(-1))
+    assert torch.equal(Sampler()(x)[0], x.argmax(-1))
     mixed = torch.tensor([0.0, 1.0, 0.0, 0.7, 0.0, 2.0])
-    out = Sampler(seed=1)(x, mixed)
+    out = sample(Sampler(seed=1), x, mixed)
     assert torch.equal(out[mixed == 0], x.argmax(-1)[mixed == 0])
 
 
@@ -40,7 +44,7 @@ def test_filters_never_emit_outside_the_allowed_set(kind):
     sampler = Sampler(seed=0)
     seen = [set() for _ in range(4)]
     for _ in range(400):
-        for i, t in enumerate(sampler(x, temps, **args).tolist()):
+        for i, t in enumerate(sample(sampler, x, temps, **args).tolist()):
             seen[i].add(t)
     for i in range(4):
         assert seen[i] <= allowed[i], (kind, i)
@@ -52,7 +56,7 @@ def test_top_k_and_top_p_together():
     temps = torch.ones(1)
     order = x[0].argsort(descending=True)
     sampler = Sampler(seed=0)
-    seen = {sampler(x, temps, top_k=torch.tensor([5]), top_p=torch.tensor([0.999]))[0].item() for _ in range(300)}
+    seen = {sample(sampler, x, temps, top_k=torch.tensor([5]), top_p=torch.tensor([0.999]))[0].item() for _ in range(300)}
     assert seen <= set(order[:5].tolist())
 
 
@@ -62,19 +66,19 @@ def test_per_request_seed_repeats_whatever_the_batch():
 
     def draw(rows, gen_seed):
         gens = {r: torch.Generator().manual_seed(gen_seed) for r in rows}
-        return Sampler()(x, temps, generators=gens)
+        return sample(Sampler(), x, temps, generators=gens)
 
     a, b = draw([0, 2], 42), draw([0, 2], 42)
     assert a[0] == b[0] and a[2] == b[2]
-    seq_a = [Sampler()(x[:1], temps[:1], generators={0: g}).item() for g in [torch.Generator().manual_seed(7)] * 20]
+    seq_a = [sample(Sampler(), x[:1], temps[:1], generators={0: g}).item() for g in [torch.Generator().manual_seed(7)] * 20]
     g = torch.Generator().manual_seed(7)
-    seq_b = [Sampler()(x[:1], temps[:1], generators={0: g}).item() for _ in range(20)]
+    seq_b = [sample(Sampler(), x[:1], temps[:1], generators={0: g}).item() for _ in range(20)]
     assert seq_a == seq_b and len(set(seq_a)) > 1
 
 
 def test_engine_seed_repeats():
     x, temps = logits(n=8, vocab=500, seed=6), torch.ones(8)
-    assert torch.equal(Sampler(seed=3)(x, temps), Sampler(seed=3)(x, temps))
+    assert torch.equal(sample(Sampler(seed=3), x, temps), sample(Sampler(seed=3), x, temps))
 
 
 def test_temperature_shapes_the_distribution():
@@ -82,7 +86,7 @@ def test_temperature_shapes_the_distribution():
     x = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)
     sampler = Sampler(seed=0)
     for t in (0.5, 1.0, 2.0):
-        counts = torch.bincount(sampler(x, torch.full((20000,), t)), minlength=4).float() / 20000
+        counts = torch.bincount(sample(sampler, x, torch.full((20000,), t)), minlength=4).float() / 20000
         expected = (x[0] / t).softmax(-1)
         assert (counts - expected).abs().max() < 0.015, (t, counts, expected)
 

@@ -16,11 +16,16 @@ class EngineBase(ABC):
 
     @abstractmethod
     def step(self) -> list[RequestOutput]:
-        """Advance the work by one step; returns the requests that finished in it."""
+        """Advance the work by one step; returns the requests that changed in it, as each one's
+        SamplingParams.output_kind says (FINAL_ONLY: only finished ones)."""
 
     @abstractmethod
     def has_unfinished_requests(self) -> bool:
         ...
+
+    @abstractmethod
+    def abort_request(self, request_id) -> None:
+        """Drop the unfinished requests with these ids (one id or an iterable); unknown ids are ignored."""
 
     @abstractmethod
     def abort_all_requests(self) -> None:

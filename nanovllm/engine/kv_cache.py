@@ -36,7 +36,9 @@ def num_kv_blocks(config: Config, spec: KVCacheSpec, max_blocks_per_seq: int, pr
     of total memory after the weights and the peak activations of `profile` (a warm-up step at
     the largest batch, which returns the bytes of its own temporary KV cache); on CPU
     cpu_kvcache_space_gib. `device`: this rank's. Under tensor parallelism every rank takes the fewest any rank can hold.
-    Raises ValueError when not even one max_model_len sequence fits."""
+    Raises ValueError when not even one max_model_len sequence fits, unless max_model_len was left
+    to its default (config.max_model_len_is_default): then the caller lowers it to the pool's
+    size, and only a pool without a single block is an error."""
     block_bytes = spec.block_bytes
     if config.num_kvcache_blocks is not None:
         num_blocks, budget = config.num_kvcache_blocks, "num_kvcache_blocks"
@@ -58,7 +60,7 @@ def num_kv_blocks(config: Config, spec: KVCacheSpec, max_blocks_per_seq: int, pr
         count = torch.tensor([num_blocks], device=device)
         dist.all_reduce(count, dist.ReduceOp.MIN)
         num_blocks = int(count.item())
-    if num_blocks < max_blocks_per_seq:
+    if num_blocks < (1 if config.max_model_len_is_default else max_blocks_per_seq):
         raise ValueError(
             f"the KV cache holds {max(num_blocks, 0)} blocks of {spec.block_size} tokens "
             f"({max(num_blocks, 0) * block_bytes / 2**30:.2f} GiB), but one sequence of max_model_len="

@@ -1,17 +1,24 @@
 """One engine replica: requests in, a Scheduler and BlockManager deciding each step, a
 ModelRunner running it, finished RequestOutputs out."""
+import logging
+from collections.abc import Iterable
+from dataclasses import replace
+
 from torch.profiler import record_function
 
 from nanovllm.config import Config
 from nanovllm.engine.base import EngineBase
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
-from nanovllm.engine.processor import Processor
+from nanovllm.engine.processor import Processor, Request
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PLACEHOLDER, SequenceStatus
 from nanovllm.engine.stop_checker import check_stop
 from nanovllm.outputs import RequestOutput
 from nanovllm.parallel.tp_workers import TPWorkers
+from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine(EngineBase):
@@ -21,13 +28,19 @@ class LLMEngine(EngineBase):
     def __init__(self, config: Config):
         if config.data_parallel_size > 1:
             raise ValueError("LLMEngine is one replica; LLM(..., data_parallel_size=N) runs several")
-        self.config = config
-        self.processor = Processor(config)
         workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
         self.model_runner = ModelRunner(config, workers=workers)
+        if self.model_runner.max_model_len < config.max_model_len:
+            logger.warning("max_model_len lowered from the model's %d to %d tokens, what the KV cache holds "
+                           "(set max_model_len, or give the cache more memory)", config.max_model_len,
+                           self.model_runner.max_model_len)
+            config = replace(config, max_model_len=self.model_runner.max_model_len)
+        self.config = config
+        self.processor = Processor(config)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)
+        self.requests: dict[str, Request] = {}  # the unfinished ones
         self._inflight: tuple[LaunchedStep, list[int]] | None = None  # launched step, each row's PLACEHOLDER index
         self.num_prefill_tokens = self.num_decode_tokens = 0  # of the last step
 
@@ -35,17 +48,35 @@ class LLMEngine(EngineBase):
     def from_engine_args(cls, model: str, **engine_args) -> "LLMEngine":
         return cls(Config.create(model, **engine_args))
 
-    def add_request(self, request_id: str, prompt, params) -> None:
-        self.scheduler.add(self.processor.make_sequence(request_id, prompt, params))
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        """Queue one request (vLLM's LLMEngine.add_request); its outputs come from step() as its
+        params.output_kind says. ValueError, nothing queued, when it is invalid or the id is in use."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
+        request = self.processor.make_request(request_id, prompt, params or SamplingParams())
+        self.requests[request_id] = request
+        self.scheduler.add(request.seqs[0])
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Drop unfinished requests by id (unknown ids are ignored) and free their KV blocks."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            request = self.requests.pop(rid, None)
+            for seq in request.seqs if request else ():
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return not self.scheduler.is_finished() or self._inflight is not None
+        return bool(self.requests) or self._inflight is not None
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
 
     def abort_all_requests(self):
         """Drop every unfinished request, freeing its KV blocks (finish_reason "abort")."""
         self.model_runner.synchronize()
         for seq in self.scheduler.abort_all():
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        self.requests.clear()
         self._inflight = None
         self.model_runner.reset()
 
@@ -81,18 +112,34 @@ class LLMEngine(EngineBase):
         return launched, positions
 
     def _process(self, launched: LaunchedStep, positions: list[int]) -> list[RequestOutput]:
-        """Read a launched step's sampled tokens, put them in place and finish stopped sequences."""
-        finished = []
-        for seq, pos, token in zip(launched.seqs, positions, self.model_runner.read_tokens(launched)):
-            if pos >= len(seq):
-                continue  # the sequence stopped at an earlier token; this one was extra
+        """Read a launched step's sampled tokens, put them in place, finish stopped sequences and
+        report the requests that changed."""
+        changed: dict[str, Request] = {}
+        tokens = self.model_runner.read_tokens(launched)
+        logprobs = iter(launched.logprobs.tolist() if launched.logprobs is not None else ())
+        for seq, pos, token in zip(launched.seqs, positions, tokens):
+            k = seq.sampling_params.logprobs
+            entry = next(logprobs) if k is not None else None
+            request = self.requests.get(seq.request_id)
+            if request is None or pos >= len(seq):
+                continue  # aborted, or stopped at an earlier token: this one was extra
             seq.token_ids[pos] = token
-            if check_stop(seq, token, self.config.eos_token_ids, self.config.max_model_len) == "stop":
+            if entry is not None:
+                seq.logprobs.append(tuple(x[:k + 1] for x in entry))
+                seq.cumulative_logprob += entry[1][0]
+            new_text = seq.detokenizer.add(token) if seq.detokenizer else ""
+            stop = check_stop(seq, token, self.config.eos_token_ids, self.config.max_model_len, new_text)
+            if stop and stop[0] == "stop":
                 del seq.token_ids[pos + 1:]
                 self.scheduler.finish(seq, "stop")
-            if seq.is_finished:
-                if pos == len(seq) - 1:  # its last token: reported once (a "length" finish is decided earlier)
-                    finished.append(self.processor.output(seq))
-            elif seq.status == SequenceStatus.RUNNING:
+                seq.stop_reason = stop[1]
+            if seq.status == SequenceStatus.RUNNING:
                 self.block_manager.cache_full_blocks(seq, pos + 1)
-        return finished
+            changed[request.request_id] = request
+        outputs = []
+        for request in changed.values():
+            if (out := self.processor.output(request)) is not None:
+                outputs.append(out)
+            if request.finished:
+                del self.requests[request.request_id]
+        return outputs

@@ -12,9 +12,10 @@ from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import CUDAGraphRunner
 from nanovllm.engine.kv_cache import KVCacheSpec, num_kv_blocks
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_inputs import Stager, StepPlan, plan_step, sampling_tensors
+from nanovllm.engine.sampling_inputs import sampling_tensors
+from nanovllm.engine.step_inputs import Stager, StepPlan, plan_step
 from nanovllm.layers.attention import Attention, make_backend
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplingTensors
 from nanovllm.loader.source import iter_weights
 from nanovllm.loader.weights import dummy_weights, load_weights
 from nanovllm.models.registry import model_class
@@ -29,6 +30,7 @@ class LaunchedStep:
     seqs: list[Sequence]  # the sequences sampled in the step, in row order
     host: torch.Tensor  # [len(seqs)] int64: the sampled tokens, being copied to the host
     event: object  # CUDA event recorded after that copy, or None on CPU
+    logprobs: SampledLogprobs | None = None  # of the rows whose request asked for logprobs, being copied too
 
 
 class ModelRunner:
@@ -47,12 +49,15 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.backend = make_backend(config.attention_backend)
         self.model = self._build_model()
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, config.logprobs_mode)
         layer = next(m for m in self.model.modules() if isinstance(m, Attention))
         self.kv_spec = KVCacheSpec(self.hf_config.num_hidden_layers, self.block_size, layer.num_kv_heads,
                                    layer.head_dim, self.dtype)
         self.num_kvcache_blocks = num_kv_blocks(config, self.kv_spec, self.max_blocks_per_seq, self._warmup,
                                                 self.device, self.world_size)
+        # what one sequence may hold: max_model_len, or all of the pool when max_model_len was left
+        # unset and the model's maximum does not fit (the engine then lowers max_model_len)
+        self.max_model_len = min(config.max_model_len, self.num_kvcache_blocks * self.block_size)
         self.kv_cache = self.kv_spec.allocate(self.num_kvcache_blocks, self.device)
         self.backend.bind_kv_cache(self.kv_cache)
         self.stager = Stager(self.device)
@@ -123,7 +128,7 @@ class ModelRunner:
         self.execute(plan_step(scheduled, bs, {})[0])
         if self.rank == 0:
             logits = torch.zeros(cfg.max_num_seqs, self.hf_config.vocab_size, device=self.device, dtype=self.dtype)
-            self.sampler(logits, torch.ones(cfg.max_num_seqs, device=self.device))  # compiles the sampling kernel
+            self.sampler(logits, SamplingTensors(torch.ones(cfg.max_num_seqs, device=self.device)))  # compiles its kernel
             del logits
         self.backend.bind_kv_cache(None)
         torch.cuda.synchronize()
@@ -144,20 +149,25 @@ class ModelRunner:
             with self.workers.step_guard():
                 self.workers.send(replace(plan, input_ids=None, pending=None))
                 logits = self.execute(plan, self._prev_sampled)
+        prev_rows, prev_sampled = self._prev_rows, self._prev_sampled
         self._prev_rows = {seq.seq_id: row for row, seq in enumerate(seqs)}
         self._prev_sampled = None
         if logits is None:
             return None
         with record_function("sampling"):
-            self._prev_sampled = sampled = self.sampler(logits, **sampling_tensors(seqs, self.device))
+            st = sampling_tensors(seqs, self.device, self.hf_config.vocab_size, self.config.eos_token_ids,
+                                  prev_rows, prev_sampled)
+            self._prev_sampled, logprobs = self.sampler(logits, st)
+            sampled = self._prev_sampled
         if self.device.type != "cuda":
-            return LaunchedStep(seqs, sampled, None)
+            return LaunchedStep(seqs, sampled, None, logprobs)
         self._pinned.reverse()  # two buffers in turn: at most two steps' tokens are unread at once
         host = self._pinned[0][:len(seqs)]
         host.copy_(sampled, non_blocking=True)
+        logprobs = logprobs.to("cpu", non_blocking=True) if logprobs is not None else None
         event = torch.cuda.Event()
         event.record()
-        return LaunchedStep(seqs, host, event)
+        return LaunchedStep(seqs, host, event, logprobs)
 
     def read_tokens(self, step: LaunchedStep) -> list[int]:
         """Wait for a launched step and return its sampled token ids, in row order."""

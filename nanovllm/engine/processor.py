@@ -1,9 +1,31 @@
-"""Requests in and out: validating and tokenizing prompts into Sequences, and finished
-Sequences into RequestOutputs."""
+"""Requests in and out: validating and tokenizing prompts into a Request (its Sequences), and
+a Request's state into the RequestOutput that step() reports."""
+from dataclasses import dataclass, field
+from numbers import Integral
+
 from nanovllm.config import Config
-from nanovllm.engine.sequence import Sequence
-from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class Request:
+    """One request: its prompt and its n completions (seqs, by index; the first holds the prompt
+    until the others are forked from it)."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Every completion ended and its last token read back."""
+        return len(self.seqs) == self.params.n and all(seq.is_finished and seq.token_ids[-1] != PLACEHOLDER
+                                                       for seq in self.seqs)
 
 
 class Processor:
@@ -19,7 +41,7 @@ class Processor:
         prompt; None is the defaults). ValueError when the two do not pair up."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or (prompts and all(isinstance(p, int) for p in prompts)):
+        if not isinstance(prompts, (list, tuple)) or (prompts and all(isinstance(p, Integral) for p in prompts)):
             raise ValueError("prompts must be a list of strings or a list of token-id lists")
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -30,24 +52,58 @@ class Processor:
                              f"pass one, or one per prompt")
         return list(zip(prompts, sampling_params))
 
-    def make_sequence(self, request_id: str, prompt, params: SamplingParams) -> Sequence:
+    def make_request(self, request_id: str, prompt, params: SamplingParams) -> Request:
         """Validate one request. prompt: a string, a list of token ids, or a dict with
         "prompt_token_ids" (and optionally its "prompt" text) or "prompt". Raises ValueError."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        self._check_vocab(params)
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         if isinstance(prompt, dict):
             prompt = prompt.get("prompt_token_ids", text)
-        return Sequence(self._token_ids(prompt), params, request_id, text)
+        ids = self._token_ids(prompt)
+        if self.tokenizer is None and (params.stop_strings or params.bad_words):
+            raise ValueError("stop strings and bad_words need the model's tokenizer, and it has none")
+        request = Request(request_id, text, ids, params)
+        request.seqs.append(self.new_sequence(request, 0))
+        return request
+
+    def new_sequence(self, request: Request, index: int) -> Sequence:
+        """Completion `index` of `request`, with its detokenizer when text is needed token by token
+        (stop strings, or outputs before the end)."""
+        seq = Sequence(request.prompt_token_ids, request.params, request.request_id, index)
+        params = request.params
+        for word in params.bad_words or ():  # as vLLM: the word alone and after a space
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in seq.bad_words_ids:
+                    seq.bad_words_ids.append(ids)
+        if self.tokenizer is not None and params.detokenize and (
+                params.stop_strings or params.output_kind != RequestOutputKind.FINAL_ONLY):
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids,
+                                                     params.skip_special_tokens, params.spaces_between_special_tokens)
+        return seq
+
+    def _check_vocab(self, params: SamplingParams):
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
 
     def _token_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompts as token-id lists")
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            wrong = next((i for i, t in enumerate(prompt) if not isinstance(t, Integral) or isinstance(t, bool)), None)
+            if wrong is not None:
+                raise ValueError(f"prompt token {wrong} is {prompt[wrong]!r}, not an integer token id")
+            ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
@@ -59,8 +115,40 @@ class Processor:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
         return ids
 
-    def output(self, seq: Sequence) -> RequestOutput:
-        ids = seq.completion_token_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, text, ids, seq.finish_reason,
-                             seq.num_cached_tokens, seq.is_finished)
+    def output(self, request: Request) -> RequestOutput | None:
+        """What step() reports of `request` now, by its output_kind: None for an unfinished
+        FINAL_ONLY request or a DELTA one with nothing new."""
+        kind = request.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not request.finished:
+            return None
+        completions = [self._completion(seq, kind == RequestOutputKind.DELTA) for seq in request.seqs]
+        if kind == RequestOutputKind.DELTA and not any(c.token_ids or c.finish_reason for c in completions):
+            return None
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, request.prompt_logprobs,
+                             completions, request.finished, request.seqs[0].num_cached_tokens)
+
+    def _completion(self, seq: Sequence, delta: bool) -> CompletionOutput:
+        known = seq.token_ids[seq.num_prompt_tokens:]
+        if known and known[-1] == PLACEHOLDER:
+            known = known[:-1]  # a sampled token not read back yet
+        params, start = seq.sampling_params, seq.num_reported_tokens if delta else 0
+        if seq.detokenizer is not None:
+            text = seq.detokenizer.text
+        elif params.detokenize and self.tokenizer is not None:
+            text = self.tokenizer.decode(known, skip_special_tokens=params.skip_special_tokens,
+                                         spaces_between_special_tokens=params.spaces_between_special_tokens)
+        else:
+            text = ""
+        if delta:
+            text = text[seq.num_reported_chars:]
+            seq.num_reported_chars += len(text)
+            seq.num_reported_tokens = len(known)
+        logprobs = None if seq.logprobs is None else self._logprobs(seq.logprobs[start:len(known)], params)
+        return CompletionOutput(seq.index, text, known[start:], seq.cumulative_logprob if logprobs is not None else None,
+                                logprobs, seq.finish_reason, seq.stop_reason)
+
+    def _logprobs(self, steps: list, params: SamplingParams) -> list[dict[int, Logprob]]:
+        """Host (token ids, logprobs, ranks) per position into vLLM's {token id: Logprob} dicts."""
+        decode = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) \
+            if params.detokenize and self.tokenizer is not None else (lambda t: None)
+        return [{t: Logprob(lp, r, decode(t)) for t, lp, r in zip(*step)} for step in steps]

@@ -14,20 +14,21 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """One request's state: its tokens (prompt then completion), its KV blocks and its progress.
+    """One completion's state: its tokens (prompt then completion), its KV blocks and its progress.
 
     Who writes what: the Scheduler status, finish_reason, num_cached_tokens and
     num_computed_tokens (the tokens whose K/V are in the cache or computed by a launched step;
     the tokens after it are what the next step must run); the BlockManager block_table and
-    num_hashed_blocks; the LLMEngine token_ids.
+    num_hashed_blocks; the LLMEngine token_ids and the output state (stop_reason, logprobs,
+    detokenizer). index: which of its request's n completions this is.
     """
     _ids = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None,
-                 prompt: str | None = None):
+                 index: int = 0):
         self.seq_id = next(Sequence._ids)
         self.request_id = str(self.seq_id) if request_id is None else request_id
-        self.prompt = prompt  # the prompt's text, when it was given as text
+        self.index = index
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
@@ -37,6 +38,18 @@ class Sequence:
         self.num_hashed_blocks = 0  # leading blocks of block_table registered in the prefix cache
         self.sampling_params = sampling_params
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.detokenizer = None  # an IncrementalDetokenizer when text is needed token by token
+        self.bad_words_ids: list[list[int]] = []  # token sequences of sampling_params.bad_words
+        self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.num_reported_tokens = self.num_reported_chars = 0  # completion already sent as DELTA outputs
+
+    @property
+    def seed(self) -> int | None:
+        """The seed of this completion's noise: the request's seed + index (as vLLM's parallel sampling)."""
+        seed = self.sampling_params.seed
+        return None if seed is None else seed + self.index
 
     def __len__(self):
         return len(self.token_ids)

@@ -1,5 +1,4 @@
-"""A step's inputs: planned on the host (StepPlan), staged to the device in two copies, and the
-sampling parameters of its sampled rows as tensors."""
+"""A step's inputs: planned on the host (StepPlan) and staged to the device in two copies."""
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,31 +101,3 @@ class Stager:
         tensors = dict(zip(int32, self.upload([getattr(plan, n) for n in int32], torch.int32)))
         tensors.update(zip(int64, self.upload([getattr(plan, n) for n in int64], torch.int64)))
         return tensors
-
-
-def sampling_tensors(seqs: list[Sequence], device: torch.device) -> dict:
-    """The Sampler's keyword arguments for these rows: temperatures, and top_k / top_p / min_p
-    only when some row uses them; {} when every row is greedy. A seeded row's noise comes from a
-    generator seeded by (its seed, its completion length), so it repeats whatever the batch and
-    after a preemption."""
-    params = [seq.sampling_params for seq in seqs]
-    if all(p.temperature == 0 for p in params):
-        return {}
-
-    def dev(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-    out = {"temperatures": dev([p.temperature for p in params], torch.float32)}
-    if any(p.top_k > 0 for p in params):
-        out["top_k"] = dev([p.top_k for p in params], torch.int64)
-    if any(p.top_p < 1 for p in params):
-        out["top_p"] = dev([p.top_p for p in params], torch.float32)
-    if any(p.min_p > 0 for p in params):
-        out["min_p"] = dev([p.min_p for p in params], torch.float32)
-    generators = {row: torch.Generator(device).manual_seed(hash((seq.sampling_params.seed, seq.num_completion_tokens))
-                                                           % 2**63)
-                  for row, seq in enumerate(seqs)
-                  if seq.sampling_params.seed is not None and seq.sampling_params.temperature > 0}
-    if generators:
-        out["generators"] = generators
-    return out

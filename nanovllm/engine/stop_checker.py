@@ -1,15 +1,35 @@
-"""The one rule for when a sequence ends, and why."""
+"""The one place that decides when a completion ends, and why."""
+from nanovllm.engine.detokenizer import find_stop_string
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 
 
-def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset, max_model_len: int) -> str | None:
-    """Why `seq` ends with `token`, its newest known token: "stop" for an EOS id (unless
-    ignore_eos) or one of stop_token_ids; "length" once it holds max_tokens completion tokens
-    or max_model_len tokens in all; else None. With token = PLACEHOLDER (sampled, not read yet)
-    only "length" can be decided, which the engine does as soon as the step is launched."""
+def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset, max_model_len: int,
+               new_text: str = "") -> tuple[str, int | str | None] | None:
+    """(finish_reason, stop_reason) if `seq` ends with `token`, its newest known token, else None:
+    ("stop", None) for an EOS id (unless ignore_eos); ("stop", id) for one of stop_token_ids;
+    ("stop", s) for a stop string s completed by new_text (the text the token added; the
+    detokenized text is then cut, see cut_stop_string); ("length", None) once the completion
+    holds max_tokens tokens or the sequence max_model_len. Before min_tokens completion tokens
+    only "length" can end it (the sampler masks EOS and stop ids until then). With token =
+    PLACEHOLDER (sampled, not read yet) only "length" can be decided, which the engine does as
+    soon as the step is launched."""
     sp = seq.sampling_params
-    if token != PLACEHOLDER and ((not sp.ignore_eos and token in eos_token_ids) or token in (sp.stop_token_ids or ())):
-        return "stop"
-    if seq.num_completion_tokens >= sp.max_tokens or len(seq) >= max_model_len:
-        return "length"
+    if token != PLACEHOLDER and seq.num_completion_tokens >= sp.min_tokens:
+        if not sp.ignore_eos and token in eos_token_ids:
+            return "stop", None
+        if sp.stop_token_ids and token in sp.stop_token_ids:
+            return "stop", token
+        if new_text and sp.stop_strings:
+            found = find_stop_string(seq.detokenizer.text, len(new_text), sp.stop_strings)
+            if found:
+                cut_stop_string(seq, *found)
+                return "stop", found[0]
+    if (sp.max_tokens is not None and seq.num_completion_tokens >= sp.max_tokens) or len(seq) >= max_model_len:
+        return "length", None
     return None
+
+
+def cut_stop_string(seq: Sequence, stop: str, start: int):
+    """Cut the completion's text at the stop string (after it with include_stop_str_in_output)."""
+    detok = seq.detokenizer
+    detok.text = detok.text[:start + (len(stop) if seq.sampling_params.include_stop_str_in_output else 0)]

@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "models" / "configs"
@@ -65,6 +65,21 @@ def load_tokenizer(path: str, load_format: str):
         return AutoTokenizer.from_pretrained(path, **kwargs)
     except (OSError, ValueError):
         return None
+
+
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_generation_defaults(path: str, load_format: str) -> dict:
+    """The sampling defaults in the model's generation_config.json (those of GENERATION_DEFAULTS it
+    sets), as vLLM's generation_config="auto"; {} when there is none (GGUF files, builtin configs)."""
+    if load_format == "gguf" or not os.path.isfile(os.path.join(path, "generation_config.json")):
+        return {}
+    try:
+        config = GenerationConfig.from_pretrained(path).to_diff_dict()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}/generation_config.json: {e}") from None
+    return {k: config[k] for k in GENERATION_DEFAULTS if config.get(k) is not None}
 
 
 def iter_weights(path: str, load_format: str, hf_config: PretrainedConfig):

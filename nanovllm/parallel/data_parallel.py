@@ -25,15 +25,16 @@ REPLY_TIMEOUT_S = 600  # the longest a busy replica may stay silent (one engine 
 
 
 def _replica_main(config: Config, conn, parent_pid: int):
-    """One replica's loop. Messages in: ("add", [(request_id, prompt, params)]), ("abort",),
-    ("reset_prefix_cache",), None (exit). Out: ("ready",) once; ("outputs", [RequestOutput]) after
-    each step that finishes requests; ("aborted",) answers every abort; ("reset", ok);
+    """One replica's loop. Messages in: ("add", [(request_id, prompt, params)]), ("abort", ids)
+    (no reply), ("abort",), ("reset_prefix_cache",), None (exit). Out: ("ready", max_model_len)
+    once; ("outputs", [RequestOutput]) after each step that reports some; ("aborted",) answers
+    every ("abort",); ("reset", ok);
     ("error", traceback) when a step fails (its requests are dropped, the replica stays up)."""
     die_with_parent(parent_pid)
     from nanovllm.engine.llm_engine import LLMEngine
     try:
         engine = LLMEngine(config)
-        conn.send(("ready",))
+        conn.send(("ready", engine.config.max_model_len))
         while True:
             if not engine.has_unfinished_requests() or conn.poll():
                 message = conn.recv()
@@ -42,6 +43,8 @@ def _replica_main(config: Config, conn, parent_pid: int):
                 if message[0] == "add":
                     for request in message[1]:
                         engine.add_request(*request)
+                elif message[0] == "abort" and len(message) == 2:
+                    engine.abort_request(message[1])
                 elif message[0] == "abort":
                     engine.abort_all_requests()
                     conn.send(("aborted",))
@@ -95,8 +98,10 @@ class DataParallelEngine(EngineBase):
         self._owner: dict[str, tuple[int, int]] = {}  # request id -> (replica, load) of every sent, unfinished one
         self._loads = [0] * len(self.conns)
         self._last_heard = [time.monotonic()] * len(self.conns)
-        for i in range(len(self.conns)):
-            self._receive(i)  # ("ready",)
+        max_model_len = min(self._receive(i)[1] for i in range(len(self.conns)))  # ("ready", max_model_len)
+        if max_model_len < config.max_model_len:  # lowered to what the replicas' KV caches hold
+            self.config = replace(config, max_model_len=max_model_len)
+            self.processor = Processor(self.config)
 
     @staticmethod
     def _gpu_groups(config: Config) -> list[str]:
@@ -107,9 +112,12 @@ class DataParallelEngine(EngineBase):
         return [",".join(ids[r * n:(r + 1) * n]) for r in range(config.data_parallel_size)]
 
     def add_request(self, request_id: str, prompt, params) -> None:
-        seq = self.processor.make_sequence(request_id, prompt, params)
-        prompt = {"prompt_token_ids": seq.token_ids, "prompt": seq.prompt}  # the replica need not tokenize again
-        self._pending.append((request_id, prompt, params, len(seq) + params.max_tokens))
+        if request_id in self._owner or any(r[0] == request_id for r in self._pending):
+            raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
+        request = self.processor.make_request(request_id, prompt, params)
+        prompt = {"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}  # tokenized once
+        max_tokens = params.max_tokens or self.config.max_model_len - len(request.prompt_token_ids)
+        self._pending.append((request_id, prompt, params, len(request.prompt_token_ids) + params.n * max_tokens))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending or self._owner)
@@ -124,8 +132,11 @@ class DataParallelEngine(EngineBase):
         for conn in wait([self.conns[i] for i in busy], timeout=1.0):
             i = self.conns.index(conn)
             for out in self._receive(i)[1]:
+                if out.request_id not in self._owner:
+                    continue  # aborted after the replica sent it
                 outputs.append(out)
-                self._loads[i] -= self._owner.pop(out.request_id)[1]
+                if out.finished:
+                    self._loads[i] -= self._owner.pop(out.request_id)[1]
         now = time.monotonic()
         for i in busy:
             if self.procs[i].exitcode is not None:
@@ -174,6 +185,17 @@ class DataParallelEngine(EngineBase):
         proc = self.procs[i]
         return RuntimeError(f"data-parallel replica {i} (pid {proc.pid}) exited with code {proc.exitcode}; "
                             f"create a new LLM")
+
+    def abort_request(self, request_id) -> None:
+        ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        self._pending = [r for r in self._pending if r[0] not in ids]
+        by_replica: dict[int, list[str]] = {}
+        for rid in ids & self._owner.keys():
+            i, load = self._owner.pop(rid)
+            self._loads[i] -= load
+            by_replica.setdefault(i, []).append(rid)
+        for i, rids in by_replica.items():
+            self.conns[i].send(("abort", rids))
 
     def abort_all_requests(self):
         """Have every busy replica drop its requests, reading its replies up to the acknowledgement,
