@@ -1,7 +1,8 @@
 """Throughput benchmark: nano-vllm's workload (see README), reported against the hardware floor.
 
 Default: 256 sequences, prompts of randint(100, 1024) random token ids, max_tokens randint(100, 1024),
-temperature 0.6, ignore_eos, on Qwen3-0.6B with random weights (the work done does not depend on
+temperature 0.6 (--temperature, --top-p, --top-k, --min-p, --presence-penalty, --logprobs change the
+sampling), ignore_eos, on Qwen3-0.6B with random weights (the work done does not depend on
 the weight values). Throughput = output tokens / wall time of one generate call after a warm-up.
 
 The floor is the time the bytes that must move take at the measured device-to-device bandwidth
@@ -81,10 +82,12 @@ def run_nanovllm(args, prompts, max_tokens):
                        kvcache_block_size=args.kvcache_block_size, tensor_parallel_size=args.tensor_parallel_size,
                        data_parallel_size=args.data_parallel_size)
     llm = LLM(args.model, **engine_args)
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                    presence_penalty=args.presence_penalty, logprobs=args.logprobs, ignore_eos=True)
+    params = [SamplingParams(max_tokens=n, **sampling) for n in max_tokens]
     # the warm-up generate: one short prompt (as nano-vllm's bench), or --warmup-seqs of the workload's prompts
     warm = prompts[:args.warmup_seqs] or [[1, 2, 3]]
-    llm.generate(warm, SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    llm.generate(warm, SamplingParams(max_tokens=16, **sampling), use_tqdm=False)
     times = []
     for _ in range(args.repeat):
         llm.reset_prefix_cache()  # every timed run prefills its prompts in full
@@ -165,7 +168,7 @@ def run_transformers(args, prompts, max_tokens):
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device="cuda")
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device="cuda")
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, do_sample=True, temperature=0.6, max_new_tokens=new_tokens,
+            model.generate(ids, attention_mask=mask, do_sample=True, temperature=args.temperature, max_new_tokens=new_tokens,
                            min_new_tokens=new_tokens, pad_token_id=pad)
 
     batch_generate([[1, 2, 3]], 8)  # warm-up
@@ -198,6 +201,12 @@ def main():
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     p.add_argument("--data-parallel-size", "--dp", type=int, default=1)
     p.add_argument("--hf-batch-size", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--logprobs", type=int, default=None, help="return this many top logprobs per token")
     p.add_argument("--profile", metavar="DIR", help="write a torch profiler Chrome trace of a few steps to DIR")
     p.add_argument("--profile-skip", type=int, default=40, help="steps run before the profiled ones")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")

@@ -25,11 +25,12 @@ def main():
     p.add_argument("--enforce-eager", action="store_true")
     args = p.parse_args()
     llm = LLM(args.model or demo_model_path(), enforce_eager=args.enforce_eager)
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                 add_generation_prompt=True) for q in PROMPTS]
-    outputs = llm.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))
+    conversations = [[{"role": "user", "content": q}] for q in PROMPTS]
+    outputs = llm.chat(conversations, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens))
     for question, out in zip(PROMPTS, outputs):
-        print(f"\n### Prompt: {question}\n### Completion ({len(out.token_ids)} tokens, {out.finish_reason}):\n{out.text}")
+        completion = out.outputs[0]
+        print(f"\n### Prompt: {question}\n### Completion ({len(completion.token_ids)} tokens, "
+              f"{completion.finish_reason}):\n{completion.text}")
 
 
 if __name__ == "__main__":

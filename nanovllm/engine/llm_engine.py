@@ -16,7 +16,7 @@ from nanovllm.engine.sequence import PLACEHOLDER, SequenceStatus
 from nanovllm.engine.stop_checker import check_stop
 from nanovllm.outputs import RequestOutput
 from nanovllm.parallel.tp_workers import TPWorkers
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,8 @@ class LLMEngine(EngineBase):
                 seq.stop_reason = stop[1]
             if seq.status == SequenceStatus.RUNNING:
                 self.block_manager.cache_full_blocks(seq, pos + 1)
-            changed[request.request_id] = request
+            if seq.is_finished or request.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                changed[request.request_id] = request
         outputs = []
         for request in changed.values():
             if (out := self.processor.output(request)) is not None:

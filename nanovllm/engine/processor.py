@@ -58,6 +58,9 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        if params.n > 1 or params.prompt_logprobs is not None:
+            raise ValueError("n > 1 and prompt_logprobs are not supported yet; use n=1 (one request per "
+                             "sample) and prompt_logprobs=None")
         self._check_vocab(params)
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         if isinstance(prompt, dict):

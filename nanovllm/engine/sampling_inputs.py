@@ -44,9 +44,12 @@ def sampling_tensors(seqs: list[Sequence], device: torch.device, vocab_size: int
             st.min_p = dev([p.min_p for p in params], torch.float32)
         st.generators = {row: torch.Generator(device).manual_seed(hash((seq.seed, seq.num_completion_tokens)) % 2**63)
                          for row, seq in enumerate(seqs) if seq.seed is not None and seq.sampling_params.temperature > 0}
-    penalized = any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params)
-    bad_after = [(row, w[:-1], w[-1]) for row, seq in enumerate(seqs) for w in seq.bad_words_ids if len(w) > 1]
-    if penalized or bad_after:
+    # the rest only for rows that need more than temperature and filters (none in a plain batch)
+    rows = [(row, seq, seq.sampling_params) for row, seq in enumerate(seqs) if seq.sampling_params.needs_processing]
+    if not rows:
+        return st
+    bad_after = [(row, w[:-1], w[-1]) for row, seq, _ in rows for w in seq.bad_words_ids if len(w) > 1]
+    if bad_after or any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for _, _, p in rows):
         st.penalties = tuple(dev([getattr(p, name) for p in params], torch.float32)
                              for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"))
         output_ids = dev(_padded([seq.completion_token_ids for seq in seqs], vocab_size,
@@ -54,27 +57,26 @@ def sampling_tensors(seqs: list[Sequence], device: torch.device, vocab_size: int
         pending = [(row, prev_rows[seq.seq_id]) for row, seq in enumerate(seqs)
                    if seq.num_completion_tokens and seq.token_ids[-1] == PLACEHOLDER]
         if pending:
-            rows, prev = dev([r for r, _ in pending], torch.int64), dev([p for _, p in pending], torch.int64)
-            output_ids[rows, -1] = prev_sampled[prev]
+            index, prev = dev([r for r, _ in pending], torch.int64), dev([p for _, p in pending], torch.int64)
+            output_ids[index, -1] = prev_sampled[prev]
         st.output_ids = output_ids
-        if any(p.repetition_penalty != 1 for p in params):
+        if any(p.repetition_penalty != 1 for _, _, p in rows):
             st.prompt_ids = dev(_padded([seq.prompt_token_ids if seq.sampling_params.repetition_penalty != 1 else []
                                          for seq in seqs], vocab_size), torch.int64)
     if bad_after:
         st.banned_after = (dev([r for r, _, _ in bad_after], torch.int64),
                            dev(_padded([p for _, p, _ in bad_after], -3), torch.int64),
                            dev([t for _, _, t in bad_after], torch.int64))
-    bias = [(row, t, b) for row, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+    bias = [(row, t, b) for row, _, p in rows for t, b in (p.logit_bias or {}).items()]
     if bias:
         st.logit_bias = (*pairs([(r, t) for r, t, _ in bias]), dev([b for _, _, b in bias], torch.float32))
-    banned = [(row, t) for row, seq in enumerate(seqs) for w in seq.bad_words_ids if len(w) == 1 for t in w]
-    for row, seq in enumerate(seqs):
-        p = seq.sampling_params
+    banned = [(row, t) for row, seq, _ in rows for w in seq.bad_words_ids if len(w) == 1 for t in w]
+    for row, seq, p in rows:
         if seq.num_completion_tokens < p.min_tokens:  # counts the PLACEHOLDER: the sampled token is the next
             banned += [(row, t) for t in (*(() if p.ignore_eos else eos_token_ids), *(p.stop_token_ids or ()))]
     st.banned = pairs(banned)
-    st.allowed = pairs([(row, t) for row, p in enumerate(params) for t in p.allowed_token_ids or ()])
-    logprob_rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+    st.allowed = pairs([(row, t) for row, _, p in rows for t in p.allowed_token_ids or ()])
+    logprob_rows = [row for row, _, p in rows if p.logprobs is not None]
     if logprob_rows:
         st.num_logprobs = max(params[r].logprobs for r in logprob_rows)
         st.logprob_rows = dev(logprob_rows, torch.int64)

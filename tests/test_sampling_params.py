@@ -1,0 +1,186 @@
+"""vLLM's SamplingParams fields and LLM/LLMEngine surface against references: transformers'
+generate and log-softmax on the tiny models, the real demo tokenizer for text and stop strings."""
+import json
+import shutil
+import threading
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.sampling_params import RequestOutputKind
+from tests.conftest import hf_greedy, random_prompts
+
+ARGS = dict(device="cpu", kvcache_block_size=16, max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3):
+    return LLM(tiny_qwen3[0], **ARGS)
+
+
+class PresenceFrequency(LogitsProcessor):
+    """OpenAI's presence/frequency penalties over the completion (transformers has none built in)."""
+
+    def __init__(self, prompt_len, presence, frequency):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        counts = torch.zeros_like(scores).scatter_add_(1, input_ids[:, self.prompt_len:],
+                                                       torch.ones_like(input_ids[:, self.prompt_len:], dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0)
+
+
+def test_penalties_match_transformers(llm, tiny_qwen3):
+    hf = tiny_qwen3[1]
+    for base in random_prompts([7, 30], seed=31):
+        prompt = base + hf_greedy(hf, base, 12)  # the greedy continuation repeats the prompt's tokens
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
+                              do_sample=False, repetition_penalty=8.0)[0, len(prompt):].tolist()
+            ref_pf = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
+                                 do_sample=False, logits_processor=LogitsProcessorList(
+                                     [PresenceFrequency(len(prompt), 2.0, 2.0)]))[0, len(prompt):].tolist()
+        out = llm.generate([prompt, prompt], [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                             repetition_penalty=8.0),
+                                              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                             presence_penalty=2.0, frequency_penalty=2.0)],
+                           use_tqdm=False)
+        assert out[0].token_ids == ref and out[1].token_ids == ref_pf
+        assert ref != hf_greedy(hf, prompt, 12) or ref_pf != hf_greedy(hf, prompt, 12)  # the penalties bite
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_logprobs_equal_the_log_softmax(tiny_qwen3, mode):
+    path, hf = tiny_qwen3
+    llm = LLM(path, logprobs_mode=mode, **ARGS)
+    prompt = random_prompts([11], seed=32)[0]
+    params = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, seed=5, logprobs=3)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1].float()
+    ref = (logits / (0.8 if mode == "processed_logprobs" else 1.0)).log_softmax(-1)
+    assert len(out.logprobs) == 6
+    for step, token, lp in zip(out.logprobs, out.token_ids, ref):
+        assert step[token].logprob == pytest.approx(lp[token].item(), abs=1e-4)
+        assert step[token].rank == int((lp > lp[token]).sum()) + 1
+        top = lp.topk(3)
+        assert all(step[t].logprob == pytest.approx(v, abs=1e-4) and step[t].rank == r + 1
+                   for r, (v, t) in enumerate(zip(top.values.tolist(), top.indices.tolist())))
+    assert out.cumulative_logprob == pytest.approx(sum(s[t].logprob for s, t in zip(out.logprobs, out.token_ids)))
+
+
+def test_token_masks(llm, tiny_qwen3):
+    prompt = random_prompts([9], seed=33)[0]
+    greedy = hf_greedy(tiny_qwen3[1], prompt, 8)
+    outs = llm.generate([prompt] * 4, [
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, allowed_token_ids=[5, 7]),
+        SamplingParams(temperature=0.9, max_tokens=8, ignore_eos=True, logit_bias={11: 100.0}),
+        SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[greedy[0]], min_tokens=3),
+        SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[greedy[0]]),
+    ], use_tqdm=False)
+    assert set(outs[0].token_ids) <= {5, 7}
+    assert outs[1].token_ids == [11] * 8
+    assert greedy[0] not in outs[2].token_ids[:3] and len(outs[2].token_ids) >= 3
+    assert outs[3].token_ids == greedy[:1] and outs[3].outputs[0].stop_reason == greedy[0]
+
+
+def test_bad_words_of_several_tokens_are_blocked_at_their_last_token():
+    x = torch.zeros(2, 10)
+    x[:, 4] = 5.0  # token 4 is the argmax
+    st = SamplingTensors(output_ids=torch.tensor([[10, 1, 2], [10, 2, 1]]), penalties=(torch.zeros(2),) * 2 + (torch.ones(2),),
+                         banned_after=(torch.tensor([0, 1]), torch.tensor([[1, 2], [1, 2]]), torch.tensor([4, 4])))
+    assert Sampler()(x, st)[0].tolist() != [4, 4] and Sampler()(x, st)[0][1].item() == 4  # only row 0 ends in [1, 2]
+
+
+def test_step_api_streams_and_aborts(tiny_qwen3):
+    engine = LLMEngine.from_engine_args(tiny_qwen3[0], **ARGS)
+    prompts = random_prompts([5, 8, 12], seed=34)
+    base = dict(temperature=0, max_tokens=10, ignore_eos=True)
+    engine.add_request("cum", prompts[0], SamplingParams(**base))
+    engine.add_request("delta", prompts[1], SamplingParams(**base, output_kind=RequestOutputKind.DELTA))
+    engine.add_request("gone", prompts[2], SamplingParams(**base))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("cum", prompts[0], SamplingParams())
+    seen, steps = {"cum": [], "delta": [], "gone": []}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+        steps += 1
+        if steps == 4:
+            engine.abort_request("gone")
+    assert [o.token_ids for o in seen["cum"]] == [seen["cum"][-1].token_ids[:i + 1] for i in range(10)]
+    assert sum((o.token_ids for o in seen["delta"]), []) == hf_greedy(tiny_qwen3[1], prompts[1], 10)
+    assert seen["cum"][-1].finished and seen["delta"][-1].finished and not any(o.finished for o in seen["gone"])
+    assert engine.block_manager.num_free_blocks == engine.model_runner.num_kvcache_blocks
+
+
+def test_two_threads_get_their_own_completions(llm, tiny_qwen3):
+    prompts = [random_prompts([n], seed=35 + n)[0] for n in (6, 13)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [[o.token_ids for o in llm.generate([p] * 3, params, use_tqdm=False)] for p in prompts]
+    results = [None, None]
+
+    def run(i):
+        results[i] = [o.token_ids for o in llm.generate([prompts[i]] * 3, params, use_tqdm=False)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == expected
+
+
+def test_generation_config_gives_the_defaults(tiny_qwen3, tmp_path):
+    path = tmp_path / "m"
+    shutil.copytree(tiny_qwen3[0], path)
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": 20, "top_p": 0.95}))
+    defaults = LLM(str(path), **ARGS).get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.6, 20, 0.95)
+    assert LLM(str(path), generation_config="vllm", **ARGS).get_default_sampling_params() == SamplingParams()
+
+
+def test_n_and_prompt_logprobs_are_refused_clearly(llm):
+    for params in (SamplingParams(n=2), SamplingParams(prompt_logprobs=1)):
+        with pytest.raises(ValueError, match="not supported yet"):
+            llm.generate([[1, 2]], params, use_tqdm=False)
+
+
+# ---- text: the demo model's real (Qwen2.5) tokenizer ----------------------------------------
+
+@pytest.fixture(scope="module")
+def demo():
+    from nanovllm.loader.demo import demo_model_path
+    return LLM(demo_model_path(), device="cpu", max_model_len=256, kvcache_block_size=16)
+
+
+def test_incremental_detokenizer_keeps_multibyte_characters_whole(demo):
+    tok = demo.tokenizer
+    text = "Größe: 龘龘 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 — 你好, wörld! 🎉🎉"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tok.decode([t]) for t in ids)  # some characters really are split over tokens
+    detok = IncrementalDetokenizer(tok, tok.encode("Say:"), True, True)
+    pieces = [detok.add(t) for t in ids]
+    assert "".join(pieces) == detok.text == tok.decode(ids) and not any("\ufffd" in p for p in pieces)
+    assert find_stop_string(detok.text, 3, ("🎉",)) == ("🎉", len(text) - 2)
+
+
+def test_stop_strings_cut_the_text(demo):
+    messages = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
+    free = demo.chat(messages, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
+    ids = demo.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert free.prompt_token_ids == list(getattr(ids, "input_ids", ids))  # chat = the template's ids
+    text = free.text
+    stop = text[text.index("5"):text.index("5") + 4]  # e.g. "5, 6": spans several tokens
+    for include in (False, True):
+        out = demo.chat(messages, SamplingParams(temperature=0, max_tokens=40, stop=[stop, "never"],
+                                                 include_stop_str_in_output=include), use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert out.text == text[:text.index(stop) + (len(stop) if include else 0)]
+        assert demo.tokenizer.decode(out.token_ids).startswith(text[:text.index(stop) + len(stop)])
