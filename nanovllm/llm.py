@@ -54,12 +54,13 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         processor = self.engine.processor
-        requests = processor.normalize(prompts, sampling_params)
-        for i, (prompt, params) in enumerate(requests):  # validate all before queuing any
-            try:
-                processor.make_request("", prompt, params)
+        requests = []
+        for i, (prompt, params) in enumerate(processor.normalize(prompts, sampling_params)):
+            try:  # validate all before queuing any, tokenizing each prompt once
+                request = processor.make_request("", prompt, params)
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
+            requests.append(({"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}, params))
         with self._lock:
             return self._run(requests, use_tqdm)
 

@@ -31,10 +31,6 @@ class IncrementalDetokenizer:
         self.text += new
         return new
 
-    def decode_token(self, token_id: int) -> str:
-        """One token's own text (Logprob.decoded_token)."""
-        return self.tokenizer.decode([token_id], **self.kwargs)
-
 
 def find_stop_string(text: str, num_new_chars: int, stop: tuple[str, ...]) -> tuple[str, int] | None:
     """The first stop string that ends inside the last num_new_chars characters of text, with its

@@ -86,7 +86,7 @@ class Sampler(nn.Module):
         processed = any(x is not None for x in (st.penalties, st.logit_bias, st.banned, st.banned_after, st.allowed))
         raw = logits
         if processed:
-            logits = apply_logits_processors(logits.float(), st)  # .float() copies a bf16/fp16 tensor
+            logits = apply_logits_processors(logits.to(torch.float32, copy=True), st)  # raw stays as it was
         if st.temperatures is None:
             sampled, final = logits.argmax(-1), logits
         elif logits.is_cuda and not processed and st.top_k is None and st.top_p is None and st.min_p is None \
