@@ -43,6 +43,8 @@ def test_tensor_parallel_matches_one_rank(arch, tp, load_format, backend, tmp_pa
     assert completions(llm, prompts[::-1]) == expected[::-1]  # second call: prefix hits everywhere
     sampled = [SamplingParams(temperature=0.8, top_k=20, max_tokens=6, seed=i) for i in range(len(prompts))]
     assert completions(llm, prompts, sampled) == completions(llm, prompts, sampled)  # seeded sampling repeats
+    forked = llm.generate(prompts, SamplingParams(n=3, temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in forked] == [[e[:6]] * 3 for e in expected]  # KV forked on every rank
     workers = llm.engine.model_runner.workers
     procs, tmpdir = workers.procs, workers.tmpdir
     del llm, workers

@@ -148,10 +148,58 @@ def test_generation_config_gives_the_defaults(tiny_qwen3, tmp_path):
     assert LLM(str(path), generation_config="vllm", **ARGS).get_default_sampling_params() == SamplingParams()
 
 
-def test_n_and_prompt_logprobs_are_refused_clearly(llm):
-    for params in (SamplingParams(n=2), SamplingParams(prompt_logprobs=1)):
-        with pytest.raises(ValueError, match="not supported yet"):
-            llm.generate([[1, 2]], params, use_tqdm=False)
+def test_prompt_logprobs_is_refused_clearly(llm):
+    with pytest.raises(ValueError, match="prompt_logprobs is not supported yet"):
+        llm.generate([[1, 2]], SamplingParams(prompt_logprobs=1), use_tqdm=False)
+
+
+def test_n_completions_share_one_prefill(tiny_qwen3):
+    """n greedy completions each equal transformers' (the forked KV is right, for a prompt ending
+    inside a block and one filling its blocks), and the prompt is prefilled once."""
+    path, hf = tiny_qwen3
+    engine = LLMEngine.from_engine_args(path, enable_prefix_caching=False, **ARGS)
+    prompts = random_prompts([21, 32], seed=36)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SamplingParams(n=3, temperature=0, max_tokens=7, ignore_eos=True,
+                                                     output_kind=RequestOutputKind.FINAL_ONLY))
+    outputs, prefill = {}, 0
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step())
+        prefill += engine.num_prefill_tokens
+    assert prefill == sum(map(len, prompts))
+    for i, p in enumerate(prompts):
+        assert [c.index for c in outputs[str(i)].outputs] == [0, 1, 2]
+        assert all(c.token_ids == hf_greedy(hf, p, 7) for c in outputs[str(i)].outputs)
+    assert engine.block_manager.num_free_blocks == engine.model_runner.num_kvcache_blocks
+
+
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at p = 0.001 (z: the normal one), by Wilson and Hilferty (1931)."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_n_samples_follow_the_distribution(tiny_qwen3):
+    """1,500 completions of one prompt (more than max_num_seqs: the rest wait and prefill on their
+    own): their first tokens pass a chi-square test against softmax(logits / T); seeded, the
+    request repeats exactly."""
+    path, hf = tiny_qwen3
+    llm = LLM(path, max_num_seqs=64, **ARGS)
+    prompt = random_prompts([13], seed=37)[0]
+    out = llm.generate([prompt], SamplingParams(n=1500, temperature=1.5, max_tokens=1), use_tqdm=False)[0]
+    assert len(out.outputs) == 1500 and out.finished
+    with torch.no_grad():
+        probs = (hf(torch.tensor([prompt])).logits[0, -1].float() / 1.5).softmax(-1)
+    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in out.outputs]), minlength=len(probs)).float()
+    expected = probs * 1500
+    big = expected >= 5  # the rest pooled into one category
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    stat = ((observed - expected) ** 2 / expected).sum().item()
+    assert big.sum() > 5 and stat < chi_square_critical(len(observed) - 1), stat
+    seeded = SamplingParams(n=5, temperature=1.0, max_tokens=8, seed=9, ignore_eos=True)
+    first, again = (llm.generate([prompt], seeded, use_tqdm=False)[0] for _ in range(2))
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert len({tuple(c.token_ids) for c in first.outputs}) == 5
 
 
 # ---- text: the demo model's real (Qwen2.5) tokenizer ----------------------------------------

@@ -107,6 +107,24 @@ class BlockManager:
             self.hash_to_block_id.setdefault(block.hash, block.block_id)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)
 
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None | bool:
+        """Give `child` the KV of `parent`, whose tokens are all computed: its full blocks shared (one
+        more reference each), its last block, when partial, copied into a new block (the two will
+        write different tokens into it). Returns the (source, destination) block pair to copy, None
+        when there is nothing to copy, False (nothing changed) when no block is free for it."""
+        full = len(parent) // self.block_size
+        partial = len(parent.block_table) > full
+        if partial and not self.free_block_ids:
+            return False
+        for block_id in parent.block_table[:full]:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = parent.block_table[:full]
+        child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
+        if not partial:
+            return None
+        child.block_table.append(self._take_free_block())
+        return parent.block_table[full], child.block_table[-1]
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (as vLLM's reset_prefix_cache); only when no block is in use.
         Returns whether it was reset."""

@@ -96,9 +96,29 @@ class LLMEngine(EngineBase):
             scheduled = self.scheduler.schedule()
         prefill = [n for seq, n in scheduled if seq.num_computed_tokens - n < seq.num_prompt_tokens]
         self.num_prefill_tokens, self.num_decode_tokens = sum(prefill), len(scheduled) - len(prefill)
-        launched = self.model_runner.run(scheduled) if scheduled else None
+        forks, copies = self._fork(scheduled)
+        launched = self.model_runner.run(scheduled, forks, copies) if scheduled else None
         previous, self._inflight = self._inflight, self._after_launch(launched) if launched else None
         return self._process(*previous) if previous else []
+
+    def _fork(self, scheduled) -> tuple[dict, list]:
+        """For a request with n > 1, the other n - 1 completions start when its prompt is computed:
+        from the same KV blocks and the same logits (so the prompt is prefilled once). Returns
+        (seq_id -> the children forked from it this step, the KV block copies they need)."""
+        forks, copies = {}, []
+        for seq, _ in scheduled:
+            if seq.num_forks and seq.num_computed_tokens == len(seq):
+                request = self.requests[seq.request_id]
+                for index in range(1, seq.num_forks + 1):
+                    child = self.processor.new_sequence(request, index)
+                    request.seqs.append(child)
+                    forked, copy = self.scheduler.fork(seq, child)
+                    if forked:
+                        forks.setdefault(seq.seq_id, []).append(child)
+                    if copy:
+                        copies.append(copy)
+                seq.num_forks = 0
+        return forks, copies
 
     def _after_launch(self, launched: LaunchedStep) -> tuple[LaunchedStep, list[int]]:
         """One PLACEHOLDER per sampled sequence; sequences that reach their length end now,

@@ -4,6 +4,7 @@ replay CUDA graphs. Under tensor parallelism every rank has a ModelRunner; rank 
 and sends the plan to the others (nanovllm/parallel/tp_workers.py)."""
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
@@ -137,12 +138,13 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, scheduled: list[tuple[Sequence, int]]) -> LaunchedStep | None:
+    def run(self, scheduled: list[tuple[Sequence, int]], forks: dict[int, list[Sequence]] | None = None,
+            block_copies: list[tuple[int, int]] = ()) -> LaunchedStep | None:
         """Launch one step without waiting for it (rank 0); None when it samples no row. A token a
         sequence has not read back yet (PLACEHOLDER) is taken from the last launched step's
-        sampled tokens on the device."""
+        sampled tokens on the device. forks, block_copies: sequences forked this step (see plan_step)."""
         with record_function("prepare_inputs"):
-            plan, seqs = plan_step(scheduled, self.block_size, self._prev_rows)
+            plan, seqs = plan_step(scheduled, self.block_size, self._prev_rows, forks, block_copies)
         if self.workers is None:
             logits = self.execute(plan, self._prev_sampled)
         else:
@@ -200,10 +202,14 @@ class ModelRunner:
                 hidden = self.model(input_ids, meta)
             else:
                 hidden = self.graph_runner.replay(graph_bs, input_ids, meta)
+        if len(plan.block_copies):  # forked sequences' own copy of a shared, partial block, written just now
+            src, dst = torch.from_numpy(plan.block_copies).to(self.device).unbind(1)
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
         if not len(plan.sample_rows):
             return None
         with record_function("compute_logits"):
-            if len(plan.sample_rows) < hidden.size(0):
+            rows = plan.sample_rows  # every row once (a decode step) needs no gather
+            if len(rows) != hidden.size(0) or not np.array_equal(rows, np.arange(len(rows))):
                 hidden = hidden[tensors["sample_rows"]]
             return self.model.compute_logits(hidden)
 

@@ -58,9 +58,8 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
-        if params.n > 1 or params.prompt_logprobs is not None:
-            raise ValueError("n > 1 and prompt_logprobs are not supported yet; use n=1 (one request per "
-                             "sample) and prompt_logprobs=None")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet; leave it None")
         self._check_vocab(params)
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         if isinstance(prompt, dict):
@@ -70,6 +69,7 @@ class Processor:
             raise ValueError("stop strings and bad_words need the model's tokenizer, and it has none")
         request = Request(request_id, text, ids, params)
         request.seqs.append(self.new_sequence(request, 0))
+        request.seqs[0].num_forks = params.n - 1
         return request
 
     def new_sequence(self, request: Request, index: int) -> Sequence:

@@ -68,6 +68,21 @@ class Scheduler:
             scheduled.sort(key=lambda item: item[0].num_computed_tokens, reverse=True)
         return scheduled
 
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[bool, tuple[int, int] | None]:
+        """Start `child` (a copy of `parent`'s prompt, for SamplingParams.n) from `parent`'s KV, just
+        computed: running beside it when max_num_seqs and a free block allow, else waiting first in
+        line, to be prefilled on its own (mostly from the prefix cache). Returns (whether it was
+        forked, the KV block copy it needs)."""
+        copy = self.block_manager.fork(parent, child) if len(self.running) < self.max_num_seqs else False
+        if copy is False:
+            self.waiting.appendleft(child)
+            return False, None
+        child.status = SequenceStatus.RUNNING
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.running.append(child)
+        return True, copy
+
     def _preempt(self, seq: Sequence):
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING

@@ -41,6 +41,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.detokenizer = None  # an IncrementalDetokenizer when text is needed token by token
         self.bad_words_ids: list[list[int]] = []  # token sequences of sampling_params.bad_words
+        self.num_forks = 0  # completions still to fork from this one once its prompt is computed (n > 1)
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.num_reported_tokens = self.num_reported_chars = 0  # completion already sent as DELTA outputs

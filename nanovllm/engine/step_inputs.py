@@ -21,16 +21,20 @@ class StepPlan:
     sample_rows: np.ndarray  # token rows whose logits are sampled
     is_decode: bool
     max_seqlen_q: int
+    block_copies: np.ndarray  # [C, 2]: (source, destination) KV blocks to copy after the forward
 
     INT32 = ("cu_seqlens_q", "context_lens", "block_tables")  # the rest go up as int64
 
 
-def plan_step(scheduled: list[tuple[Sequence, int]], block_size: int,
-              prev_rows: dict[int, int]) -> tuple[StepPlan, list[Sequence]]:
+def plan_step(scheduled: list[tuple[Sequence, int]], block_size: int, prev_rows: dict[int, int],
+              forks: dict[int, list[Sequence]] | None = None,
+              block_copies: list[tuple[int, int]] = ()) -> tuple[StepPlan, list[Sequence]]:
     """Pack the scheduled (sequence, new tokens) pairs into a StepPlan; also returns the sequences
     sampled this step, in row order. The rule for which rows sample lives here: a sequence samples
-    when its new tokens reach its end. A PLACEHOLDER input token is the previous step's sampled
-    token of that sequence, at row prev_rows[seq_id] of its sampled tensor. Index math is vectorised."""
+    when its new tokens reach its end, and so do the sequences forked from it this step
+    (forks: seq_id -> children, for SamplingParams.n), from the same logits row. A PLACEHOLDER
+    input token is the previous step's sampled token of that sequence, at row prev_rows[seq_id] of
+    its sampled tensor. Index math is vectorised."""
     num_seqs = len(scheduled)
     counts = np.fromiter((n for _, n in scheduled), np.int64, num_seqs)
     context_lens = np.fromiter((seq.num_computed_tokens for seq, _ in scheduled), np.int64, num_seqs)
@@ -39,7 +43,7 @@ def plan_step(scheduled: list[tuple[Sequence, int]], block_size: int,
     np.cumsum(counts, out=cu_q[1:])
     width = int(-(-context_lens.max() // block_size))
     block_tables = np.full((num_seqs, width), -1, np.int64)
-    input_ids, pending, samples = [], [], []
+    input_ids, pending, samples, sampled = [], [], [], []
     for i, (seq, n) in enumerate(scheduled):
         table = seq.block_table[:width]
         block_tables[i, :len(table)] = table
@@ -47,14 +51,16 @@ def plan_step(scheduled: list[tuple[Sequence, int]], block_size: int,
         if input_ids[-1] == PLACEHOLDER:
             pending.append((len(input_ids) - 1, prev_rows[seq.seq_id]))
         if context_lens[i] == len(seq):
-            samples.append(i)
+            for child in [seq, *(forks or {}).get(seq.seq_id, ())]:
+                samples.append(i)
+                sampled.append(child)
     seq_of_token = np.repeat(np.arange(num_seqs), counts)
     positions = np.arange(cu_q[-1]) - cu_q[seq_of_token] + starts[seq_of_token]
     slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     plan = StepPlan(np.array(input_ids, np.int64), np.array(pending, np.int64).reshape(-1, 2), positions, cu_q,
                     context_lens, slot_mapping, block_tables, cu_q[np.array(samples, np.int64) + 1] - 1,
-                    bool((counts == 1).all()), int(counts.max()))
-    return plan, [scheduled[i][0] for i in samples]
+                    bool((counts == 1).all()), int(counts.max()), np.array(block_copies, np.int64).reshape(-1, 2))
+    return plan, sampled
 
 
 class Stager:
