@@ -1,8 +1,8 @@
 """Throughput benchmark: nano-vllm's workload (see README), reported against the hardware floor.
 
 Default: 256 sequences, prompts of randint(100, 1024) random token ids, max_tokens randint(100, 1024),
-temperature 0.6 (--temperature, --top-p, --top-k, --min-p, --presence-penalty, --logprobs change the
-sampling), ignore_eos, on Qwen3-0.6B with random weights (the work done does not depend on
+temperature 0.6 (--temperature, --top-p, --top-k, --min-p, --presence-penalty, --logprobs, --n change the
+sampling; --n 8 takes 256 / 8 prompts with 8 completions each), ignore_eos, on Qwen3-0.6B with random weights (the work done does not depend on
 the weight values). Throughput = output tokens / wall time of one generate call after a warm-up.
 
 The floor is the time the bytes that must move take at the measured device-to-device bandwidth
@@ -63,14 +63,15 @@ def workload(args):
 
 
 def floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, kv_itemsize, bandwidth, flops,
-                  num_gpus=1, replicas=1):
-    """Seconds the workload needs at least on num_gpus GPUs like this one (see the module docstring)."""
+                  num_gpus=1, replicas=1, n=1):
+    """Seconds the workload needs at least on num_gpus GPUs like this one (see the module docstring);
+    with n completions per prompt each reads its prompt's KV, which is written and computed once."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     kv_per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * kv_itemsize
-    kv_read = sum(sum(len(p) + t for t in range(1, out)) for p, out in zip(prompts, max_tokens)) * kv_per_token
-    kv_written = sum(len(p) + out for p, out in zip(prompts, max_tokens)) * kv_per_token
+    kv_read = n * sum(sum(len(p) + t for t in range(1, out)) for p, out in zip(prompts, max_tokens)) * kv_per_token
+    kv_written = sum(len(p) + n * out for p, out in zip(prompts, max_tokens)) * kv_per_token
     weights = param_bytes * max(max_tokens) * replicas
-    tokens = sum(map(len, prompts)) + sum(max_tokens)
+    tokens = sum(map(len, prompts)) + n * sum(max_tokens)
     return ((kv_read + kv_written + weights) / bandwidth + 2 * matmul_params * tokens / flops) / num_gpus
 
 
@@ -84,7 +85,7 @@ def run_nanovllm(args, prompts, max_tokens):
     llm = LLM(args.model, **engine_args)
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                     presence_penalty=args.presence_penalty, logprobs=args.logprobs, ignore_eos=True)
-    params = [SamplingParams(max_tokens=n, **sampling) for n in max_tokens]
+    params = [SamplingParams(n=args.n, max_tokens=m, **sampling) for m in max_tokens]
     # the warm-up generate: one short prompt (as nano-vllm's bench), or --warmup-seqs of the workload's prompts
     warm = prompts[:args.warmup_seqs] or [[1, 2, 3]]
     llm.generate(warm, SamplingParams(max_tokens=16, **sampling), use_tqdm=False)
@@ -94,7 +95,7 @@ def run_nanovllm(args, prompts, max_tokens):
         t = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=args.tqdm)
         times.append(time.perf_counter() - t)
-        assert [len(o.token_ids) for o in outputs] == max_tokens
+        assert [[len(c.token_ids) for c in o.outputs] for o in outputs] == [[m] * args.n for m in max_tokens]
     if args.repeat > 1:
         print("seconds per run:", " ".join(f"{t:.3f}" for t in times))
     seconds = times[0]
@@ -207,6 +208,7 @@ def main():
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--logprobs", type=int, default=None, help="return this many top logprobs per token")
+    p.add_argument("--n", type=int, default=1, help="completions per prompt (--num-seqs / n prompts)")
     p.add_argument("--profile", metavar="DIR", help="write a torch profiler Chrome trace of a few steps to DIR")
     p.add_argument("--profile-skip", type=int, default=40, help="steps run before the profiled ones")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -215,12 +217,15 @@ def main():
     p.add_argument("--repeat", type=int, default=1, help="time the workload this many times (the first is reported)")
     p.add_argument("--step-stats", action="store_true", help="print time per step kind and batch size")
     args = p.parse_args()
+    if args.n > 1 and args.engine != "nanovllm":
+        p.error("--n is for --engine nanovllm")
     if args.data_parallel_size > 1 and (args.profile or args.step_stats):
         p.error("--profile and --step-stats look inside one engine: use them with --data-parallel-size 1")
     if not torch.cuda.is_available():
         raise SystemExit("bench.py measures GPU throughput and needs a CUDA device")
 
     prompts, max_tokens = workload(args)
+    prompts, max_tokens = prompts[:len(prompts) // args.n], max_tokens[:len(prompts) // args.n]  # n samples each
     bandwidth, flops = measure_bandwidth("cuda"), measure_matmul_flops("cuda")
     torch.cuda.empty_cache()  # leave GPU 0 to the engine
     run = run_nanovllm if args.engine == "nanovllm" else run_transformers
@@ -232,12 +237,12 @@ def main():
     matmul_params = sum(t.numel() for t in params if t.dim() == 2)  # embedding counted as the (tied) LM head
     num_gpus = args.tensor_parallel_size * args.data_parallel_size
     floor = floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, 2, bandwidth, flops,
-                          num_gpus, args.data_parallel_size)
-    output_tokens = sum(max_tokens)
+                          num_gpus, args.data_parallel_size, args.n)
+    output_tokens = args.n * sum(max_tokens)
     result = {
         "engine": args.engine, "model": args.model, "device": torch.cuda.get_device_name(),
         "tensor_parallel_size": args.tensor_parallel_size, "data_parallel_size": args.data_parallel_size,
-        "num_seqs": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": output_tokens,
+        "num_seqs": len(prompts) * args.n, "n": args.n, "prompt_tokens": sum(map(len, prompts)), "output_tokens": output_tokens,
         "seconds": round(seconds, 3), "tokens_per_s": round(output_tokens / seconds, 1),
         "bandwidth_tb_s": round(bandwidth / 1e12, 3), "matmul_tflop_s": round(flops / 1e12, 1),
         "floor_seconds": round(floor, 3), "floor_tokens_per_s": round(output_tokens / floor, 1),

@@ -37,7 +37,8 @@ def completions(llm, prompts, params=GREEDY):
 def test_tensor_parallel_matches_one_rank(arch, tp, load_format, backend, tmp_path_factory):
     path, _ = make_tiny_model(arch, tmp_path_factory)
     prompts = workload()
-    expected = completions(LLM(path, load_format=load_format, **ARGS), prompts)
+    single = LLM(path, load_format=load_format, **ARGS)
+    expected = completions(single, prompts)
     llm = LLM(path, load_format=load_format, tensor_parallel_size=tp, attention_backend=backend, **ARGS)
     assert completions(llm, prompts) == expected
     assert completions(llm, prompts[::-1]) == expected[::-1]  # second call: prefix hits everywhere
@@ -45,6 +46,11 @@ def test_tensor_parallel_matches_one_rank(arch, tp, load_format, backend, tmp_pa
     assert completions(llm, prompts, sampled) == completions(llm, prompts, sampled)  # seeded sampling repeats
     forked = llm.generate(prompts, SamplingParams(n=3, temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in forked] == [[e[:6]] * 3 for e in expected]  # KV forked on every rank
+    scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)  # logits of every prompt row, all ranks
+    lps = [[x.logprob for d in o.prompt_logprobs[1:] for x in d.values()]
+           for o in (m.generate([prompts[2]], scored, use_tqdm=False)[0] for m in (single, llm))]
+    assert lps[0] == pytest.approx(lps[1], abs=1e-4)
+    del single
     workers = llm.engine.model_runner.workers
     procs, tmpdir = workers.procs, workers.tmpdir
     del llm, workers

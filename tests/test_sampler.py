@@ -114,3 +114,19 @@ def test_gumbel_max_kernel_samples_the_softmax():
     wide = torch.randn(3, 20000).to(device)  # spans several chunks; ties across chunks take the first
     wide[:, 9000] = wide[:, 17000] = 10.0
     assert gumbel_max_sample(wide, torch.zeros(3, device=device), seeds[:3]).tolist() == [9000] * 3
+
+
+def test_top_k_path_draws_what_the_sorted_path_draws():
+    """With top_k on every sampling row the filters run on torch.topk's values (no sort of the
+    vocabulary); seeded rows must draw the very same tokens as on the sorted path, with min_p and
+    top_p too, and greedy rows take the argmax."""
+    x = logits(n=4, vocab=3000, seed=8)
+    temps = torch.tensor([0.7, 1.3, 0.0, 1.0])
+    kwargs = dict(top_k=torch.tensor([5, 40, 0, 300]), top_p=torch.tensor([0.9, 0.6, 1.0, 0.95]),
+                  min_p=torch.tensor([0.0, 0.05, 0.0, 0.01]))
+    for trial in range(40):
+        gens = [{r: torch.Generator().manual_seed(trial * 10 + r) for r in (0, 1, 3)} for _ in range(2)]
+        fast = sample(Sampler(), x, temps, max_top_k=300, generators=gens[0], **kwargs)
+        slow = sample(Sampler(), x, temps, generators=gens[1], **kwargs)
+        assert torch.equal(fast, slow), trial
+    assert fast[2] == x[2].argmax()

@@ -148,9 +148,28 @@ def test_generation_config_gives_the_defaults(tiny_qwen3, tmp_path):
     assert LLM(str(path), generation_config="vllm", **ARGS).get_default_sampling_params() == SamplingParams()
 
 
-def test_prompt_logprobs_is_refused_clearly(llm):
-    with pytest.raises(ValueError, match="prompt_logprobs is not supported yet"):
-        llm.generate([[1, 2]], SamplingParams(prompt_logprobs=1), use_tqdm=False)
+def test_prompt_logprobs_equal_the_log_softmax(tiny_qwen3):
+    """A 50-token prompt prefilled in chunks of at most 24 tokens: every prompt token after the
+    first gets its raw logprob, rank and top 2 from the logits of the token before it; a second
+    request for the same prompt is not served from the prefix cache (it would have no logits)."""
+    path, hf = tiny_qwen3
+    llm = LLM(path, max_num_batched_tokens=24, **ARGS)
+    prompt = random_prompts([50], seed=38)[0]
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2, n=2)
+    first, second = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+    lps = first.prompt_logprobs
+    assert lps[0] is None and len(lps) == len(prompt) and second.num_cached_tokens == 0
+    for pos, (step, lp) in enumerate(zip(lps[1:], ref), start=1):
+        token = prompt[pos]
+        assert step[token].logprob == pytest.approx(lp[token].item(), abs=1e-4)
+        assert step[token].rank == int((lp > lp[token]).sum()) + 1
+        top = lp.topk(2)
+        assert all(step[t].rank == r + 1 and step[t].logprob == pytest.approx(v, abs=1e-4)
+                   for r, (v, t) in enumerate(zip(top.values.tolist(), top.indices.tolist())))
+    assert [{t: x.logprob for t, x in d.items()} for d in second.prompt_logprobs[1:]] == \
+        [{t: x.logprob for t, x in d.items()} for d in lps[1:]]
 
 
 def test_n_completions_share_one_prefill(tiny_qwen3):

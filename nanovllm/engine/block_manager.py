@@ -49,8 +49,8 @@ class BlockManager:
     def find_cached_blocks(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of `seq`'s tokens. The last token is never
         included, so the step that admits `seq` always has at least one token to compute."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+            return []  # (prompt logprobs need every prompt token's logits)
         hits, prefix_hash, bs = [], -1, self.block_size
         for i in range((len(seq) - 1) // bs):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]

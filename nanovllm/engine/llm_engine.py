@@ -157,6 +157,8 @@ class LLMEngine(EngineBase):
                 self.block_manager.cache_full_blocks(seq, pos + 1)
             if seq.is_finished or request.params.output_kind != RequestOutputKind.FINAL_ONLY:
                 changed[request.request_id] = request
+        if launched.prompt_logprobs is not None:
+            self._add_prompt_logprobs(*launched.prompt_logprobs, changed)
         outputs = []
         for request in changed.values():
             if (out := self.processor.output(request)) is not None:
@@ -164,3 +166,16 @@ class LLMEngine(EngineBase):
             if request.finished:
                 del self.requests[request.request_id]
         return outputs
+
+    def _add_prompt_logprobs(self, spans: list, logprobs, changed: dict):
+        """Append each span's prompt logprobs to its request, once: a prompt recomputed after a
+        preemption (or by a completion that could not fork) gives positions already there."""
+        entries = iter(logprobs.tolist())
+        for seq, first, count in spans:
+            request, k = self.requests.get(seq.request_id), seq.sampling_params.prompt_logprobs
+            for pos in range(first + 1, first + count + 1):
+                entry = next(entries)
+                if request is not None and pos == len(request.prompt_logprobs):
+                    request.prompt_logprobs.append(tuple(x[:k + 1] for x in entry))
+            if request is not None:
+                changed[request.request_id] = request

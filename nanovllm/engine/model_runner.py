@@ -16,7 +16,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.sampling_inputs import sampling_tensors
 from nanovllm.engine.step_inputs import Stager, StepPlan, plan_step
 from nanovllm.layers.attention import Attention, make_backend
-from nanovllm.layers.sampler import SampledLogprobs, Sampler, SamplingTensors
+from nanovllm.layers.sampler import Sampler, SamplingTensors, TokenLogprobs, token_logprobs
 from nanovllm.loader.source import iter_weights
 from nanovllm.loader.weights import dummy_weights, load_weights
 from nanovllm.models.registry import model_class
@@ -24,14 +24,17 @@ from nanovllm.parallel.process_group import init_process_group
 from nanovllm.parallel.state import TensorParallel
 from nanovllm.sampling_params import SamplingParams
 
+PROMPT_LOGITS_ROWS = 1024  # logits rows made at once for prompt logprobs: 0.6 GB in float32 for a 151,936 vocabulary
+
 
 @dataclass
 class LaunchedStep:
     """A step launched on the device, whose sampled tokens the engine reads later (read_tokens)."""
     seqs: list[Sequence]  # the sequences sampled in the step, in row order
-    host: torch.Tensor  # [len(seqs)] int64: the sampled tokens, being copied to the host
+    host: torch.Tensor | None  # [len(seqs)] int64: the sampled tokens, being copied to the host
     event: object  # CUDA event recorded after that copy, or None on CPU
-    logprobs: SampledLogprobs | None = None  # of the rows whose request asked for logprobs, being copied too
+    logprobs: TokenLogprobs | None = None  # of the rows whose request asked for logprobs, being copied too
+    prompt_logprobs: tuple[list, TokenLogprobs] | None = None  # plan_step's prompt spans and their logprobs
 
 
 class ModelRunner:
@@ -140,36 +143,39 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]], forks: dict[int, list[Sequence]] | None = None,
             block_copies: list[tuple[int, int]] = ()) -> LaunchedStep | None:
-        """Launch one step without waiting for it (rank 0); None when it samples no row. A token a
+        """Launch one step without waiting for it (rank 0); None when it has nothing to read back
+        (no sampled row, no prompt logprobs). A token a
         sequence has not read back yet (PLACEHOLDER) is taken from the last launched step's
         sampled tokens on the device. forks, block_copies: sequences forked this step (see plan_step)."""
         with record_function("prepare_inputs"):
-            plan, seqs = plan_step(scheduled, self.block_size, self._prev_rows, forks, block_copies)
+            plan, seqs, prompt_spans = plan_step(scheduled, self.block_size, self._prev_rows, forks, block_copies)
         if self.workers is None:
-            logits = self.execute(plan, self._prev_sampled)
+            logits, prompt_lp = self.execute(plan, self._prev_sampled)
         else:
             with self.workers.step_guard():
                 self.workers.send(replace(plan, input_ids=None, pending=None))
-                logits = self.execute(plan, self._prev_sampled)
+                logits, prompt_lp = self.execute(plan, self._prev_sampled)
         prev_rows, prev_sampled = self._prev_rows, self._prev_sampled
         self._prev_rows = {seq.seq_id: row for row, seq in enumerate(seqs)}
-        self._prev_sampled = None
-        if logits is None:
+        self._prev_sampled = sampled = logprobs = None
+        if logits is None and prompt_lp is None:
             return None
-        with record_function("sampling"):
-            st = sampling_tensors(seqs, self.device, self.hf_config.vocab_size, self.config.eos_token_ids,
-                                  prev_rows, prev_sampled)
-            self._prev_sampled, logprobs = self.sampler(logits, st)
-            sampled = self._prev_sampled
+        if logits is not None:
+            with record_function("sampling"):
+                st = sampling_tensors(seqs, self.device, self.hf_config.vocab_size, self.config.eos_token_ids,
+                                      prev_rows, prev_sampled)
+                sampled, logprobs = self.sampler(logits, st)
+                self._prev_sampled = sampled
         if self.device.type != "cuda":
-            return LaunchedStep(seqs, sampled, None, logprobs)
+            return LaunchedStep(seqs, sampled, None, logprobs, prompt_lp and (prompt_spans, prompt_lp))
         self._pinned.reverse()  # two buffers in turn: at most two steps' tokens are unread at once
         host = self._pinned[0][:len(seqs)]
-        host.copy_(sampled, non_blocking=True)
-        logprobs = logprobs.to("cpu", non_blocking=True) if logprobs is not None else None
+        if sampled is not None:
+            host.copy_(sampled, non_blocking=True)
+        logprobs, prompt_lp = (x.to("cpu", non_blocking=True) if x is not None else None for x in (logprobs, prompt_lp))
         event = torch.cuda.Event()
         event.record()
-        return LaunchedStep(seqs, host, event, logprobs)
+        return LaunchedStep(seqs, host, event, logprobs, prompt_lp and (prompt_spans, prompt_lp))
 
     def read_tokens(self, step: LaunchedStep) -> list[int]:
         """Wait for a launched step and return its sampled token ids, in row order."""
@@ -178,12 +184,13 @@ class ModelRunner:
                 step.event.synchronize()
             else:
                 self.workers.wait(step.event)
-        return step.host.tolist()
+        return step.host.tolist() if step.host is not None else []
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, prev_sampled: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Run the forward of one step on this rank; returns the logits of plan.sample_rows on rank 0
-        (None on the other ranks, or when no row is sampled)."""
+    def execute(self, plan: StepPlan, prev_sampled: torch.Tensor | None = None):
+        """Run the forward of one step on this rank; returns, on rank 0, the logits of
+        plan.sample_rows and the TokenLogprobs of plan.prompt_rows (each None when there are none;
+        both None on the other ranks)."""
         with record_function("prepare_inputs"):
             tensors = self.stager.upload_plan(plan)
             meta = self.backend.build_metadata(plan, tensors)
@@ -205,13 +212,24 @@ class ModelRunner:
         if len(plan.block_copies):  # forked sequences' own copy of a shared, partial block, written just now
             src, dst = torch.from_numpy(plan.block_copies).to(self.device).unbind(1)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        prompt_lp = self._prompt_logprobs(plan, hidden, tensors) if len(plan.prompt_rows) else None
         if not len(plan.sample_rows):
-            return None
+            return None, prompt_lp
         with record_function("compute_logits"):
             rows = plan.sample_rows  # every row once (a decode step) needs no gather
             if len(rows) != hidden.size(0) or not np.array_equal(rows, np.arange(len(rows))):
                 hidden = hidden[tensors["sample_rows"]]
-            return self.model.compute_logits(hidden)
+            return self.model.compute_logits(hidden), prompt_lp
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor, tensors: dict) -> TokenLogprobs | None:
+        """The raw logprobs of the prompt tokens after plan.prompt_rows (vLLM's prompt_logprobs), with
+        logits made PROMPT_LOGITS_ROWS rows at a time (a long prompt's would not fit at once)."""
+        parts, rows, targets = [], tensors["prompt_rows"], tensors["prompt_targets"]
+        for start in range(0, len(rows), PROMPT_LOGITS_ROWS):
+            logits = self.model.compute_logits(hidden[rows[start:start + PROMPT_LOGITS_ROWS]])
+            if logits is not None:  # rank 0
+                parts.append(token_logprobs(logits, targets[start:start + PROMPT_LOGITS_ROWS], plan.num_prompt_logprobs))
+        return TokenLogprobs(*map(torch.cat, zip(*(vars(p).values() for p in parts)))) if parts else None
 
     def reset(self):
         """Forget the last launched step (after its requests were aborted)."""

@@ -19,7 +19,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list | None = None  # [None, then (ids, logprobs, ranks) per prompt token] when asked
 
     @property
     def finished(self) -> bool:
@@ -58,8 +58,6 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet; leave it None")
         self._check_vocab(params)
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         if isinstance(prompt, dict):
@@ -67,7 +65,8 @@ class Processor:
         ids = self._token_ids(prompt)
         if self.tokenizer is None and (params.stop_strings or params.bad_words):
             raise ValueError("stop strings and bad_words need the model's tokenizer, and it has none")
-        request = Request(request_id, text, ids, params)
+        request = Request(request_id, text, ids, params, prompt_logprobs=[None] if params.prompt_logprobs is not None
+                          else None)
         request.seqs.append(self.new_sequence(request, 0))
         request.seqs[0].num_forks = params.n - 1
         return request
@@ -127,7 +126,10 @@ class Processor:
         completions = [self._completion(seq, kind == RequestOutputKind.DELTA) for seq in request.seqs]
         if kind == RequestOutputKind.DELTA and not any(c.token_ids or c.finish_reason for c in completions):
             return None
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, request.prompt_logprobs,
+        prompt_lp = request.prompt_logprobs
+        if prompt_lp is not None:
+            prompt_lp = [None, *self._logprobs(prompt_lp[1:], request.params)]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, prompt_lp,
                              completions, request.finished, request.seqs[0].num_cached_tokens)
 
     def _completion(self, seq: Sequence, delta: bool) -> CompletionOutput:

@@ -38,6 +38,8 @@ def sampling_tensors(seqs: list[Sequence], device: torch.device, vocab_size: int
         st.temperatures = dev([p.temperature for p in params], torch.float32)
         if any(p.top_k > 0 for p in params):
             st.top_k = dev([p.top_k for p in params], torch.int64)
+            if all(p.top_k > 0 for p in params if p.temperature > 0):
+                st.max_top_k = max(p.top_k for p in params)
         if any(p.top_p < 1 for p in params):
             st.top_p = dev([p.top_p for p in params], torch.float32)
         if any(p.min_p > 0 for p in params):

@@ -22,19 +22,24 @@ class StepPlan:
     is_decode: bool
     max_seqlen_q: int
     block_copies: np.ndarray  # [C, 2]: (source, destination) KV blocks to copy after the forward
+    prompt_rows: np.ndarray  # [Q] token rows whose logits give prompt logprobs (prompt_logprobs)
+    prompt_targets: np.ndarray  # [Q]: the prompt token after each of those rows
+    num_prompt_logprobs: int  # top tokens to return with them
 
     INT32 = ("cu_seqlens_q", "context_lens", "block_tables")  # the rest go up as int64
 
 
 def plan_step(scheduled: list[tuple[Sequence, int]], block_size: int, prev_rows: dict[int, int],
               forks: dict[int, list[Sequence]] | None = None,
-              block_copies: list[tuple[int, int]] = ()) -> tuple[StepPlan, list[Sequence]]:
+              block_copies: list[tuple[int, int]] = ()) -> tuple[StepPlan, list[Sequence], list[tuple]]:
     """Pack the scheduled (sequence, new tokens) pairs into a StepPlan; also returns the sequences
     sampled this step, in row order. The rule for which rows sample lives here: a sequence samples
     when its new tokens reach its end, and so do the sequences forked from it this step
     (forks: seq_id -> children, for SamplingParams.n), from the same logits row. A PLACEHOLDER
     input token is the previous step's sampled token of that sequence, at row prev_rows[seq_id] of
-    its sampled tensor. Index math is vectorised."""
+    its sampled tensor. Also returns, for prompt_logprobs, (sequence, first position, count) of
+    the plan's prompt_rows, in order: row p's logits give the logprob of prompt token p + 1.
+    Index math is vectorised."""
     num_seqs = len(scheduled)
     counts = np.fromiter((n for _, n in scheduled), np.int64, num_seqs)
     context_lens = np.fromiter((seq.num_computed_tokens for seq, _ in scheduled), np.int64, num_seqs)
@@ -44,6 +49,7 @@ def plan_step(scheduled: list[tuple[Sequence, int]], block_size: int, prev_rows:
     width = int(-(-context_lens.max() // block_size))
     block_tables = np.full((num_seqs, width), -1, np.int64)
     input_ids, pending, samples, sampled = [], [], [], []
+    prompt_rows, prompt_targets, prompt_spans, num_prompt_logprobs = [], [], [], 0
     for i, (seq, n) in enumerate(scheduled):
         table = seq.block_table[:width]
         block_tables[i, :len(table)] = table
@@ -54,13 +60,21 @@ def plan_step(scheduled: list[tuple[Sequence, int]], block_size: int, prev_rows:
             for child in [seq, *(forks or {}).get(seq.seq_id, ())]:
                 samples.append(i)
                 sampled.append(child)
+        if seq.sampling_params.prompt_logprobs is not None:
+            first, last = int(starts[i]), min(int(context_lens[i]), seq.num_prompt_tokens - 1)
+            if last > first:
+                prompt_rows.extend(range(int(cu_q[i]), int(cu_q[i]) + last - first))
+                prompt_targets.extend(seq.token_ids[first + 1:last + 1])
+                prompt_spans.append((seq, first, last - first))
+                num_prompt_logprobs = max(num_prompt_logprobs, seq.sampling_params.prompt_logprobs)
     seq_of_token = np.repeat(np.arange(num_seqs), counts)
     positions = np.arange(cu_q[-1]) - cu_q[seq_of_token] + starts[seq_of_token]
     slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     plan = StepPlan(np.array(input_ids, np.int64), np.array(pending, np.int64).reshape(-1, 2), positions, cu_q,
                     context_lens, slot_mapping, block_tables, cu_q[np.array(samples, np.int64) + 1] - 1,
-                    bool((counts == 1).all()), int(counts.max()), np.array(block_copies, np.int64).reshape(-1, 2))
-    return plan, sampled
+                    bool((counts == 1).all()), int(counts.max()), np.array(block_copies, np.int64).reshape(-1, 2),
+                    np.array(prompt_rows, np.int64), np.array(prompt_targets, np.int64), num_prompt_logprobs)
+    return plan, sampled, prompt_spans
 
 
 class Stager:
@@ -100,7 +114,8 @@ class Stager:
     def upload_plan(self, plan: StepPlan) -> dict[str, torch.Tensor]:
         """Every array of the plan on the device, by field name (StepPlan.INT32 as int32, the rest
         int64); input_ids and pending only when the plan has them."""
-        names = [n for n in ("input_ids", "pending", "positions", "slot_mapping", "sample_rows", *StepPlan.INT32)
+        names = [n for n in ("input_ids", "pending", "positions", "slot_mapping", "sample_rows", "prompt_rows",
+                             "prompt_targets", *StepPlan.INT32)
                  if getattr(plan, n) is not None]
         int32 = [n for n in names if n in StepPlan.INT32]
         int64 = [n for n in names if n not in StepPlan.INT32]

@@ -11,7 +11,8 @@ from nanovllm.layers.logits_processors import apply_logits_processors
 @dataclass
 class SamplingTensors:
     """N sampled rows. temperatures [N] float32 (0: greedy), or None when every row is greedy.
-    top_k [N] int64, top_p [N], min_p [N] float32. generators: {row: torch.Generator} of seeded rows.
+    top_k [N] int64, top_p [N], min_p [N] float32; max_top_k: the largest top_k when every row with
+    temperature > 0 has one, else 0. generators: {row: torch.Generator} of seeded rows.
     penalties: (presence [N], frequency [N], repetition [N]) float32. output_ids [N, L] int64: each
     row's completion so far, right-aligned, padded on the left with vocab_size. prompt_ids [N, P]:
     likewise the prompts, only for repetition_penalty. logit_bias: (rows, token ids, values).
@@ -22,6 +23,7 @@ class SamplingTensors:
     num_logprobs: top tokens to return (-1: no row asked), with logprob_rows [R] the rows that did."""
     temperatures: torch.Tensor | None = None
     top_k: torch.Tensor | None = None
+    max_top_k: int = 0
     top_p: torch.Tensor | None = None
     min_p: torch.Tensor | None = None
     generators: dict | None = None
@@ -38,30 +40,38 @@ class SamplingTensors:
 
 
 @dataclass
-class SampledLogprobs:
-    """For the R rows that asked for logprobs: the sampled ids [R], their logprobs [R] and ranks
-    [R] (1: the most likely), and the top K tokens' ids [R, K] and logprobs [R, K]."""
-    sampled_ids: torch.Tensor
-    sampled_logprobs: torch.Tensor
-    sampled_ranks: torch.Tensor
+class TokenLogprobs:
+    """For R rows of logits: the log-probability [R] and rank [R] (1: the most likely) of one token
+    each (the sampled one, or the next prompt token), and the top K tokens' ids [R, K] and logprobs [R, K]."""
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor
     top_ids: torch.Tensor
     top_logprobs: torch.Tensor
 
-    def to(self, device, non_blocking: bool = False) -> "SampledLogprobs":
-        return SampledLogprobs(*(getattr(self, f).to(device, non_blocking=non_blocking)
-                                 for f in self.__dataclass_fields__))
+    def to(self, device, non_blocking: bool = False) -> "TokenLogprobs":
+        return TokenLogprobs(*(getattr(self, f).to(device, non_blocking=non_blocking)
+                               for f in self.__dataclass_fields__))
 
     def tolist(self) -> list[tuple[list[int], list[float], list[int]]]:
-        """Per row, (token ids, logprobs, ranks): the sampled token first, then the top K."""
+        """Per row, (token ids, logprobs, ranks): its token first, then the top K."""
         k = self.top_ids.size(1)
         return [([t, *ids], [lp, *lps], [r, *range(1, k + 1)]) for t, lp, r, ids, lps in zip(
-            self.sampled_ids.tolist(), self.sampled_logprobs.tolist(), self.sampled_ranks.tolist(),
+            self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist(),
             self.top_ids.tolist(), self.top_logprobs.tolist())]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> TokenLogprobs:
+    """The log-softmax (float32) of logits [R, vocab] at token_ids [R], their ranks, and the top k."""
+    logprobs = logits.float().log_softmax(-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    top_lp, top_ids = logprobs.topk(k, dim=-1)
+    return TokenLogprobs(token_ids, chosen.squeeze(1), (logprobs > chosen).sum(-1) + 1, top_ids, top_lp)
 
 
 class Sampler(nn.Module):
     """forward(logits [N, vocab] (float32 or the model dtype), st: SamplingTensors or None (all
-    greedy, nothing else)) -> (token ids [N] int64, SampledLogprobs or None).
+    greedy, nothing else)) -> (token ids [N] int64, TokenLogprobs of st.logprob_rows or None).
 
     Order (vLLM's): the logits processors (penalties, logit_bias, banned and allowed tokens),
     then greedy rows (temperature 0) take the argmax; the others are scaled by 1/temperature and
@@ -100,33 +110,51 @@ class Sampler(nn.Module):
         if st.num_logprobs < 0:
             return sampled, None
         source = raw if self.logprobs_mode == "raw_logprobs" else final
-        return sampled, self._logprobs(source, sampled, st)
+        return sampled, token_logprobs(source[st.logprob_rows], sampled[st.logprob_rows], st.num_logprobs)
 
-    def _sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sampled ids, the logits they were drawn from: scaled and filtered, greedy rows unscaled)."""
+    def _sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(sampled ids, the logits they were drawn from: scaled and filtered, greedy rows unscaled;
+        None from the top-k path, taken only when nothing needs them).
+
+        When every sampling row has a top_k (st.max_top_k), the filters run on each row's
+        max_top_k largest logits (torch.topk) instead of the sorted vocabulary, and the draw is the
+        same: a seeded row's noise at those tokens is the noise it has over the whole vocabulary."""
         greedy = st.temperatures == 0
         logits = logits / torch.where(greedy, 1.0, st.temperatures).unsqueeze(1)
-        if st.min_p is not None:
+        if st.max_top_k and (st.num_logprobs < 0 or self.logprobs_mode == "raw_logprobs"):
+            values, ids = logits.topk(st.max_top_k, dim=-1)
+            probs = self._filter_sorted(values, st).softmax(-1)
+            noise = torch.empty_like(probs).exponential_(generator=self._default_generator(probs.device))
+            for row, gen in (st.generators or {}).items():
+                noise[row] = torch.empty(logits.size(1), device=logits.device).exponential_(generator=gen)[ids[row]]
+            choice = (probs / noise.clamp_min_(1e-20)).argmax(-1, keepdim=True)  # Exp(1) can round to 0
+            return torch.where(greedy, ids[:, 0], ids.gather(1, choice).squeeze(1)), None
+        if st.top_k is not None or st.top_p is not None:
+            values, order = logits.sort(-1, descending=True)
+            logits = torch.empty_like(logits).scatter_(-1, order, self._filter_sorted(values, st))
+        elif st.min_p is not None:
             probs = logits.softmax(-1)
             logits = logits.masked_fill(probs < st.min_p.unsqueeze(1) * probs.amax(-1, keepdim=True), float("-inf"))
-        if st.top_k is not None or st.top_p is not None:
-            logits = self._top_k_top_p(logits, st.top_k, st.top_p)
         probs = logits.softmax(-1)
         noise = torch.empty_like(probs).exponential_(generator=self._default_generator(probs.device))
-        noise.clamp_min_(1e-20)  # Exp(1) can round to 0
         for row, gen in (st.generators or {}).items():
             noise[row].exponential_(generator=gen)
-        return torch.where(greedy, logits.argmax(-1), (probs / noise).argmax(-1)), logits
+        return torch.where(greedy, logits.argmax(-1), (probs / noise.clamp_min_(1e-20)).argmax(-1)), logits
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, sampled: torch.Tensor, st: SamplingTensors) -> SampledLogprobs:
-        rows = st.logprob_rows
-        logprobs = logits[rows].float().log_softmax(-1)
-        chosen = sampled[rows]
-        chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))
-        ranks = (logprobs > chosen_lp).sum(-1) + 1
-        top_lp, top_ids = logprobs.topk(st.num_logprobs, dim=-1)
-        return SampledLogprobs(chosen, chosen_lp.squeeze(1), ranks, top_ids, top_lp)
+    def _filter_sorted(values: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        """min_p, top_k and top_p on logits sorted in descending order along the last dimension."""
+        if st.min_p is not None:  # p / p_max = exp(x - x_max), the same over any prefix of the sorted row
+            probs = values.softmax(-1)
+            values = values.masked_fill(probs < st.min_p.unsqueeze(1) * probs[:, :1], float("-inf"))
+        if st.top_k is not None:
+            rank = torch.arange(values.size(-1), device=values.device)
+            values = values.masked_fill(rank >= torch.where(st.top_k > 0, st.top_k, values.size(-1)).unsqueeze(1),
+                                        float("-inf"))
+        if st.top_p is not None:
+            probs = values.softmax(-1)
+            values = values.masked_fill(probs.cumsum(-1) - probs >= st.top_p.unsqueeze(1), float("-inf"))
+        return values
 
     def _default_generator(self, device) -> torch.Generator | None:
         if self.seed is None:
@@ -134,16 +162,3 @@ class Sampler(nn.Module):
         if self.generator is None or self.generator.device != torch.device(device):
             self.generator = torch.Generator(device).manual_seed(self.seed)
         return self.generator
-
-    @staticmethod
-    def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-        sorted_logits, order = logits.sort(-1, descending=True)
-        if top_k is not None:
-            rank = torch.arange(logits.size(-1), device=logits.device)
-            k = torch.where(top_k > 0, top_k, logits.size(-1)).unsqueeze(1)
-            sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
-        if top_p is not None:
-            probs = sorted_logits.softmax(-1)
-            mass_before = probs.cumsum(-1) - probs
-            sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
-        return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
