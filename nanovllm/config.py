@@ -43,7 +43,8 @@ class Config:
     "vllm" (vLLM's defaults). When max_model_len is left unset and the model's maximum does not
     fit the KV cache, the engine lowers it to what fits (and logs it). logprobs_mode: "raw_logprobs"
     (the model's log-softmax) or "processed_logprobs" (of the logits sampled from: after penalties,
-    bias, masks, temperature and filters).
+    bias, masks, temperature and filters). distributed_executor_backend: where data-parallel replicas
+    run: "mp" (processes of this host) or "ray" (actors on the Ray cluster, nanovllm/parallel/ray_replicas.py).
 
     After `create`, model is a local path, dtype a torch.dtype, device a torch.device, load_format,
     attention_backend and max_model_len concrete, and hf_config, tokenizer and eos_token_ids set.
@@ -68,6 +69,7 @@ class Config:
     data_parallel_size: int = 1
     generation_config: str = "auto"
     logprobs_mode: str = "raw_logprobs"
+    distributed_executor_backend: str = "mp"
     # resolved by create()
     hf_config: object = field(default=None, repr=False)
     tokenizer: object = field(default=None, repr=False, compare=False)
@@ -121,9 +123,12 @@ class Config:
         for name, allowed in (("dtype", ("auto", *DTYPES)), ("kv_cache_dtype", KV_CACHE_DTYPES), ("device", DEVICES),
                               ("load_format", LOAD_FORMATS), ("attention_backend", ATTENTION_BACKENDS),
                               ("generation_config", ("auto", "vllm")),
-                              ("logprobs_mode", ("raw_logprobs", "processed_logprobs"))):
+                              ("logprobs_mode", ("raw_logprobs", "processed_logprobs")),
+                              ("distributed_executor_backend", ("mp", "ray"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
+        if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError('distributed_executor_backend="ray" needs Ray: pip install "nanovllm[ray]"')
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available; use device='cpu' or 'auto'")
         gpus = self.tensor_parallel_size * self.data_parallel_size

@@ -14,15 +14,18 @@ from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 class LLM:
     """Owns one engine: an LLMEngine, or with data_parallel_size > 1 a DataParallelEngine of that
-    many replicas. Engine arguments are vLLM's names (see Config); ValueError or TypeError for a
+    many replicas (with distributed_executor_backend="ray", a RayDataParallelEngine, even of one). Engine arguments are vLLM's names (see Config); ValueError or TypeError for a
     bad one, FileNotFoundError for a missing model, before anything is loaded. Calls from several
     threads are served one after another."""
 
     def __init__(self, model: str, **engine_args):
         self.config = Config.create(model, **engine_args)
-        if self.config.data_parallel_size > 1:
+        if self.config.distributed_executor_backend == "ray":
+            from nanovllm.parallel.ray_replicas import RayDataParallelEngine
+            self.engine: EngineBase = RayDataParallelEngine(self.config)
+        elif self.config.data_parallel_size > 1:
             from nanovllm.parallel.data_parallel import DataParallelEngine
-            self.engine: EngineBase = DataParallelEngine(self.config)
+            self.engine = DataParallelEngine(self.config)
         else:
             self.engine = LLMEngine(self.config)
         self.config = self.engine.config  # max_model_len may have been lowered to what the KV cache holds

@@ -1,9 +1,10 @@
 """Data parallelism: data_parallel_size engine replicas, each an ordinary LLMEngine in its own
 process on its own tensor_parallel_size GPUs (CPU processes without CUDA).
 
-This process validates every request, hands each to the replica with the least outstanding
-work (prompt plus max_tokens; a generate call's requests go largest first), and collects the
-RequestOutputs the replicas send back as their requests finish.
+ReplicaRouter is what this process does whatever carries the messages: it validates every
+request, hands each to the replica with the least outstanding work and collects the
+RequestOutputs the replicas send back. DataParallelEngine carries them over pipes to processes of
+this host (distributed_executor_backend="mp"); ray_replicas.py to Ray actors on a cluster.
 """
 import multiprocessing as mp
 import os
@@ -16,10 +17,9 @@ from multiprocessing.connection import wait
 import torch
 
 from nanovllm.config import Config
-from nanovllm.engine.base import EngineBase
-from nanovllm.engine.processor import Processor
 from nanovllm.outputs import RequestOutput
 from nanovllm.parallel.processes import die_with_parent, stop_processes
+from nanovllm.parallel.replica_router import ReplicaRouter
 
 REPLY_TIMEOUT_S = 600  # the longest a busy replica may stay silent (one engine step, or its start-up)
 
@@ -65,13 +65,13 @@ def _replica_main(config: Config, conn, parent_pid: int):
         conn.send(("error", traceback.format_exc()))
 
 
-class DataParallelEngine(EngineBase):
-    """The engine behind `LLM(model, data_parallel_size=M, **engine_args)`. Raises RuntimeError when
-    a replica fails to start, and from step() when one fails or dies."""
+class DataParallelEngine(ReplicaRouter):
+    """The engine behind `LLM(model, data_parallel_size=M, **engine_args)` (distributed_executor_backend
+    "mp"): replicas in processes of this host, messages over pipes. Raises RuntimeError when a
+    replica fails to start, and from step() when one fails or dies."""
 
     def __init__(self, config: Config):
-        self.config = config
-        self.processor = Processor(config)
+        super().__init__(config, config.data_parallel_size)
         replica_config = replace(config, data_parallel_size=1)
         gpus = self._gpu_groups(config) if config.device.type == "cuda" else [None] * config.data_parallel_size
         ctx = mp.get_context("spawn")
@@ -94,14 +94,8 @@ class DataParallelEngine(EngineBase):
             self.procs.append(proc)
             self.conns.append(conn)
         weakref.finalize(self, stop_processes, self.procs, self.conns, 30)
-        self._pending: list[tuple[str, dict, object, int]] = []  # validated requests not sent yet, with their load
-        self._owner: dict[str, tuple[int, int]] = {}  # request id -> (replica, load) of every sent, unfinished one
-        self._loads = [0] * len(self.conns)
         self._last_heard = [time.monotonic()] * len(self.conns)
-        max_model_len = min(self._receive(i)[1] for i in range(len(self.conns)))  # ("ready", max_model_len)
-        if max_model_len < config.max_model_len:  # lowered to what the replicas' KV caches hold
-            self.config = replace(config, max_model_len=max_model_len)
-            self.processor = Processor(self.config)
+        self._set_max_model_len(min(self._receive(i)[1] for i in range(len(self.conns))))  # ("ready", max_model_len)
 
     @staticmethod
     def _gpu_groups(config: Config) -> list[str]:
@@ -111,32 +105,15 @@ class DataParallelEngine(EngineBase):
         n = config.tensor_parallel_size
         return [",".join(ids[r * n:(r + 1) * n]) for r in range(config.data_parallel_size)]
 
-    def add_request(self, request_id: str, prompt, params) -> None:
-        if request_id in self._owner or any(r[0] == request_id for r in self._pending):
-            raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
-        request = self.processor.make_request(request_id, prompt, params)
-        prompt = {"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}  # tokenized once
-        max_tokens = params.max_tokens or self.config.max_model_len - len(request.prompt_token_ids)
-        self._pending.append((request_id, prompt, params, len(request.prompt_token_ids) + params.n * max_tokens))
+    def _send(self, i: int, batch: list):
+        if self.procs[i].exitcode is not None:
+            raise self._dead(i)
+        self._last_heard[i] = time.monotonic()
+        self.conns[i].send(("add", batch))
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._pending or self._owner)
-
-    def step(self) -> list[RequestOutput]:
-        """Send the queued requests, then return the outputs the replicas have sent (waiting up to
-        1 s for some). RuntimeError if a busy replica reports an error, dies or stays silent."""
-        if self._pending:
-            self._dispatch()
-        busy = sorted({i for i, _ in self._owner.values()})
-        outputs = []
-        for conn in wait([self.conns[i] for i in busy], timeout=1.0):
-            i = self.conns.index(conn)
-            for out in self._receive(i)[1]:
-                if out.request_id not in self._owner:
-                    continue  # aborted after the replica sent it
-                outputs.append(out)
-                if out.finished:
-                    self._loads[i] -= self._owner.pop(out.request_id)[1]
+    def _receive_outputs(self, busy: list[int]) -> list[tuple[int, list[RequestOutput]]]:
+        received = [(self.conns.index(conn), self._receive(self.conns.index(conn))[1])
+                    for conn in wait([self.conns[i] for i in busy], timeout=1.0)]
         now = time.monotonic()
         for i in busy:
             if self.procs[i].exitcode is not None:
@@ -144,23 +121,10 @@ class DataParallelEngine(EngineBase):
             if now - self._last_heard[i] > REPLY_TIMEOUT_S:
                 raise RuntimeError(f"data-parallel replica {i} (pid {self.procs[i].pid}) sent nothing for "
                                    f"{REPLY_TIMEOUT_S} s")
-        return outputs
+        return received
 
-    def _dispatch(self):
-        """Each queued request, largest load first, to the replica with the least outstanding load."""
-        batches = [[] for _ in self.conns]
-        for request_id, prompt, params, load in sorted(self._pending, key=lambda r: -r[3]):
-            i = self._loads.index(min(self._loads))
-            batches[i].append((request_id, prompt, params))
-            self._loads[i] += load
-            self._owner[request_id] = (i, load)
-        self._pending = []
-        for i, batch in enumerate(batches):
-            if batch:
-                if self.procs[i].exitcode is not None:
-                    raise self._dead(i)
-                self._last_heard[i] = time.monotonic()
-                self.conns[i].send(("add", batch))
+    def _send_abort(self, i: int, request_ids: list[str]):
+        self.conns[i].send(("abort", request_ids))
 
     def _receive(self, i: int, timeout: float = REPLY_TIMEOUT_S):
         """The next message from replica i; RuntimeError if it reports an error, dies or stays silent."""
@@ -186,28 +150,16 @@ class DataParallelEngine(EngineBase):
         return RuntimeError(f"data-parallel replica {i} (pid {proc.pid}) exited with code {proc.exitcode}; "
                             f"create a new LLM")
 
-    def abort_request(self, request_id) -> None:
-        ids = {request_id} if isinstance(request_id, str) else set(request_id)
-        self._pending = [r for r in self._pending if r[0] not in ids]
-        by_replica: dict[int, list[str]] = {}
-        for rid in ids & self._owner.keys():
-            i, load = self._owner.pop(rid)
-            self._loads[i] -= load
-            by_replica.setdefault(i, []).append(rid)
-        for i, rids in by_replica.items():
-            self.conns[i].send(("abort", rids))
-
     def abort_all_requests(self):
         """Have every busy replica drop its requests, reading its replies up to the acknowledgement,
         so that the next call starts clean (a dead replica is reported by the next call)."""
-        for i in sorted({i for i, _ in self._owner.values()}):
+        for i in self._forget_all():
             try:
                 self.conns[i].send(("abort",))
                 while self.conns[i].poll(60) and self.conns[i].recv()[0] != "aborted":
                     pass
             except (OSError, EOFError):
                 pass
-        self._pending, self._owner, self._loads = [], {}, [0] * len(self.conns)
 
     def reset_prefix_cache(self) -> bool:
         """Empty every replica's prefix cache; False if any replica still holds blocks."""

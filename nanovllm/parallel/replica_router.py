@@ -1,0 +1,84 @@
+"""ReplicaRouter: what a data-parallel engine does in this process, whatever carries the messages
+to its replicas (pipes to local processes in data_parallel.py, Ray actors in ray_replicas.py)."""
+from dataclasses import replace
+
+from nanovllm.config import Config
+from nanovllm.engine.base import EngineBase
+from nanovllm.engine.processor import Processor
+from nanovllm.outputs import RequestOutput
+
+
+class ReplicaRouter(EngineBase):
+    """What every data-parallel engine does in this process: validate each request once, hand it to
+    the replica with the least outstanding work (prompt plus n x max_tokens; a batch's requests go
+    largest first), and collect the RequestOutputs the replicas send back. Subclasses move the
+    messages: _send, _receive_outputs, _send_abort, abort_all_requests, reset_prefix_cache."""
+
+    def __init__(self, config: Config, num_replicas: int):
+        self.config = config
+        self.processor = Processor(config)
+        self._pending: list[tuple[str, dict, object, int]] = []  # validated requests not sent yet, with their load
+        self._owner: dict[str, tuple[int, int]] = {}  # request id -> (replica, load) of every sent, unfinished one
+        self._loads = [0] * num_replicas
+
+    def _set_max_model_len(self, max_model_len: int):
+        """The replicas' max_model_len, when lowered to what their KV caches hold."""
+        if max_model_len < self.config.max_model_len:
+            self.config = replace(self.config, max_model_len=max_model_len)
+            self.processor = Processor(self.config)
+
+    def add_request(self, request_id: str, prompt, params) -> None:
+        if request_id in self._owner or any(r[0] == request_id for r in self._pending):
+            raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
+        request = self.processor.make_request(request_id, prompt, params)
+        prompt = {"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}  # tokenized once
+        max_tokens = params.max_tokens or self.config.max_model_len - len(request.prompt_token_ids)
+        self._pending.append((request_id, prompt, params, len(request.prompt_token_ids) + params.n * max_tokens))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pending or self._owner)
+
+    def step(self) -> list[RequestOutput]:
+        """Send the queued requests, then return the outputs the replicas have sent (waiting up to
+        1 s for some). RuntimeError if a busy replica reports an error, dies or stays silent."""
+        if self._pending:
+            self._dispatch()
+        outputs = []
+        for i, replica_outputs in self._receive_outputs(sorted({i for i, _ in self._owner.values()})):
+            for out in replica_outputs:
+                if out.request_id not in self._owner:
+                    continue  # aborted after the replica sent it
+                outputs.append(out)
+                if out.finished:
+                    self._loads[i] -= self._owner.pop(out.request_id)[1]
+        return outputs
+
+    def _dispatch(self):
+        """Each queued request, largest load first, to the replica with the least outstanding load."""
+        batches = [[] for _ in self._loads]
+        for request_id, prompt, params, load in sorted(self._pending, key=lambda r: -r[3]):
+            i = self._loads.index(min(self._loads))
+            batches[i].append((request_id, prompt, params))
+            self._loads[i] += load
+            self._owner[request_id] = (i, load)
+        self._pending = []
+        for i, batch in enumerate(batches):
+            if batch:
+                self._send(i, batch)
+
+    def abort_request(self, request_id) -> None:
+        ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        self._pending = [r for r in self._pending if r[0] not in ids]
+        by_replica: dict[int, list[str]] = {}
+        for rid in ids & self._owner.keys():
+            i, load = self._owner.pop(rid)
+            self._loads[i] -= load
+            by_replica.setdefault(i, []).append(rid)
+        for i, rids in by_replica.items():
+            self._send_abort(i, rids)
+
+    def _forget_all(self) -> list[int]:
+        """Drop every request here; returns the replicas that were busy."""
+        busy = sorted({i for i, _ in self._owner.values()})
+        self._pending, self._owner, self._loads = [], {}, [0] * len(self._loads)
+        return busy

@@ -1,0 +1,100 @@
+"""Data-parallel replicas as Ray actors, on a Ray cluster of two simulated nodes (CPU, gloo): the
+outputs of one engine, in order, on distinct nodes; a killed replica fails generate with a
+clear error; nothing of ours is left after the LLM goes."""
+import gc
+import os
+import time
+
+import pytest
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # simulated nodes all on 127.0.0.1
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from nanovllm import LLM, SamplingParams  # noqa: E402
+from tests.test_parallel import ARGS, completions, workload  # noqa: E402
+
+RAY = dict(distributed_executor_backend="ray", **ARGS)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    cluster.add_node(num_cpus=2)
+    ray.init(address=cluster.address)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def dead(actor) -> bool:
+    try:
+        ray.get(actor.info.remote(), timeout=30)
+        return False
+    except ray.exceptions.RayActorError:
+        return True
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_replicas_on_two_nodes_give_the_outputs_of_one_engine(cluster, tiny_qwen3, tp):
+    prompts = workload() * 2
+    expected = completions(LLM(tiny_qwen3[0], **ARGS), prompts)
+    start = time.monotonic()
+    llm = LLM(tiny_qwen3[0], data_parallel_size=2, tensor_parallel_size=tp, **RAY)
+    print(f"\n2 Ray replicas (TP={tp}) started in {time.monotonic() - start:.1f} s")
+    nodes = {node.node_id for node in cluster.list_all_nodes()}
+    assert set(llm.engine.nodes) == nodes  # one replica per node (bundles spread)
+    assert completions(llm, prompts) == expected
+    assert completions(llm, prompts[:3]) == expected[:3]  # a second, smaller call
+    assert llm.reset_prefix_cache()
+    actors, group = llm.engine._actors, llm.engine._placement_group
+    del llm
+    gc.collect()
+    assert all(dead(a) for a in actors)
+    assert ray.util.placement_group_table(group)["state"] == "REMOVED"
+
+
+def test_killed_replica_fails_generate_quickly(cluster, tiny_qwen3):
+    llm = LLM(tiny_qwen3[0], data_parallel_size=2, **RAY)
+    original, steps = llm.engine.step, []
+
+    def step():
+        steps.append(1)
+        if len(steps) == 3:
+            ray.kill(llm.engine._actors[1])
+        return original()
+
+    llm.engine.step = step
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)replica 1 \(Ray node [0-9a-f]+\) died: .*killed by `ray.kill`.*create a new LLM"):
+        llm.generate(workload() * 4, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - start < 60
+
+
+def test_interrupted_call_leaves_the_replicas_usable(cluster, tiny_qwen3):
+    prompts = workload()
+    expected = completions(LLM(tiny_qwen3[0], **ARGS), prompts)
+    llm = LLM(tiny_qwen3[0], data_parallel_size=2, **RAY)
+    original, steps = llm.engine.step, []
+
+    def step():
+        steps.append(1)
+        if len(steps) == 2:  # the requests are on the replicas, and running
+            raise KeyboardInterrupt
+        return original()
+
+    llm.engine.step = step
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
+    llm.engine.step = original
+    assert completions(llm, prompts) == expected
+
+
+def test_ray_backend_without_ray_says_how_to_install(monkeypatch, tiny_qwen3):
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r'pip install "nanovllm\[ray\]"'):
+        LLM(tiny_qwen3[0], **RAY)
+    with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
+        LLM(tiny_qwen3[0], **{**RAY, "distributed_executor_backend": "slurm"})
