@@ -98,3 +98,30 @@ def test_ray_backend_without_ray_says_how_to_install(monkeypatch, tiny_qwen3):
         LLM(tiny_qwen3[0], **RAY)
     with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
         LLM(tiny_qwen3[0], **{**RAY, "distributed_executor_backend": "slurm"})
+
+
+def test_a_script_that_dies_releases_its_replicas(cluster, tiny_qwen3, tmp_path):
+    """An exception (or Ctrl-C) that ends the script: Ray ends the job's actors with it, so their
+    resources come back and the placement group goes."""
+    import subprocess
+    import sys
+    script = tmp_path / "dies.py"
+    script.write_text(f"""
+import ray
+from nanovllm import LLM
+ray.init(address={cluster.address!r})
+llm = LLM({tiny_qwen3[0]!r}, data_parallel_size=2, **{RAY!r})
+print(llm.engine._placement_group.id.hex(), flush=True)
+raise SystemExit("dying with live replicas")
+""")
+    total = ray.cluster_resources()["CPU"]
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert "dying with live replicas" in run.stderr, run.stderr[-2000:]
+    group = run.stdout.split()[-1]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (ray.available_resources().get("CPU", 0) < total
+                                           or ray.util.placement_group_table()[group]["state"] != "REMOVED"):
+        time.sleep(0.5)
+    assert ray.available_resources()["CPU"] == total
+    assert ray.util.placement_group_table()[group]["state"] == "REMOVED"
