@@ -48,10 +48,28 @@ def test_replicas_on_two_nodes_give_the_outputs_of_one_engine(cluster, tiny_qwen
     assert completions(llm, prompts[:3]) == expected[:3]  # a second, smaller call
     assert llm.reset_prefix_cache()
     actors, group = llm.engine._actors, llm.engine._placement_group
+    assert len(replica_processes()) >= 2  # (the check below sees them while they live)
     del llm
     gc.collect()
     assert all(dead(a) for a in actors)
     assert ray.util.placement_group_table(group)["state"] == "REMOVED"
+    deadline = time.monotonic() + 30
+    while replica_processes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not replica_processes()  # the actors' processes (and their tensor-parallel children) are gone
+
+
+def replica_processes() -> list[int]:
+    """Live processes whose title Ray set to one of our actors' (ray::Replica...)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().startswith(b"ray::Replica"):
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
 
 
 def test_killed_replica_fails_generate_quickly(cluster, tiny_qwen3):
@@ -69,6 +87,8 @@ def test_killed_replica_fails_generate_quickly(cluster, tiny_qwen3):
     with pytest.raises(RuntimeError, match=r"(?s)replica 1 \(Ray node [0-9a-f]+\) died: .*killed by `ray.kill`.*create a new LLM"):
         llm.generate(workload() * 4, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)
     assert time.monotonic() - start < 60
+    del llm, step, original
+    gc.collect()  # its placement group goes: the cluster's CPUs are free for the next test
 
 
 def test_interrupted_call_leaves_the_replicas_usable(cluster, tiny_qwen3):
@@ -88,6 +108,8 @@ def test_interrupted_call_leaves_the_replicas_usable(cluster, tiny_qwen3):
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
     llm.engine.step = original
     assert completions(llm, prompts) == expected
+    del llm, step, original
+    gc.collect()
 
 
 def test_ray_backend_without_ray_says_how_to_install(monkeypatch, tiny_qwen3):
@@ -115,7 +137,7 @@ print(llm.engine._placement_group.id.hex(), flush=True)
 raise SystemExit("dying with live replicas")
 """)
     total = ray.cluster_resources()["CPU"]
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
                          env={**os.environ, "PYTHONPATH": os.getcwd()})
     assert "dying with live replicas" in run.stderr, run.stderr[-2000:]
     group = run.stdout.split()[-1]
