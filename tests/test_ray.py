@@ -87,7 +87,7 @@ def test_killed_replica_fails_generate_quickly(cluster, tiny_qwen3):
     with pytest.raises(RuntimeError, match=r"(?s)replica 1 \(Ray node [0-9a-f]+\) died: .*killed by `ray.kill`.*create a new LLM"):
         llm.generate(workload() * 4, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)
     assert time.monotonic() - start < 60
-    del llm, step, original
+    llm = step = original = None  # (the closure holds them too)
     gc.collect()  # its placement group goes: the cluster's CPUs are free for the next test
 
 
@@ -108,7 +108,7 @@ def test_interrupted_call_leaves_the_replicas_usable(cluster, tiny_qwen3):
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
     llm.engine.step = original
     assert completions(llm, prompts) == expected
-    del llm, step, original
+    llm = step = original = None  # (the closure holds them too)
     gc.collect()
 
 
