@@ -213,6 +213,26 @@ def test_kv_cache_too_small_says_what_to_change(tiny_qwen3):
         LLM(tiny_qwen3[0], device="cpu", kvcache_block_size=16, max_model_len=128, cpu_kvcache_space_gib=1e-5)
 
 
+def test_warmup_step_runs_before_the_kv_cache_exists(tiny_qwen3, monkeypatch):
+    """On the GPU the KV pool is sized by a warm-up step run while the runner is being built; make
+    the CPU build run it too, so CI catches what that step needs before construction ends."""
+    from nanovllm.engine import model_runner
+
+    sizes = []
+
+    def num_kv_blocks(config, spec, max_blocks_per_seq, profile, *args):
+        sizes.append((profile(), spec.block_bytes))
+        return real(config, spec, max_blocks_per_seq, profile, *args)
+
+    real = model_runner.num_kv_blocks
+    monkeypatch.setattr(model_runner, "num_kv_blocks", num_kv_blocks)
+    llm = LLM(tiny_qwen3[0], device="cpu", kvcache_block_size=16, max_model_len=64, max_num_batched_tokens=96,
+              max_num_seqs=4)
+    [(warmup_bytes, block_bytes)] = sizes
+    assert warmup_bytes == 6 * block_bytes  # 96 tokens in blocks of 16
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))[0].outputs[0].token_ids
+
+
 # ---- soak and exit --------------------------------------------------------------------------
 
 def rss_mib() -> float:

@@ -54,6 +54,11 @@ class ModelRunner:
         self.backend = make_backend(config.attention_backend)
         self.model = self._build_model()
         self.sampler = Sampler(config.seed, config.logprobs_mode)
+        # what execute() uses, set before the warm-up step that sizes the KV cache runs it
+        self.stager = Stager(self.device)
+        self._prev_rows: dict[int, int] = {}  # seq_id -> row of the last launched step's sampled tokens
+        self._prev_sampled: torch.Tensor | None = None  # those tokens, on the device
+        self.graph_runner = None
         layer = next(m for m in self.model.modules() if isinstance(m, Attention))
         self.kv_spec = KVCacheSpec(self.hf_config.num_hidden_layers, self.block_size, layer.num_kv_heads,
                                    layer.head_dim, self.dtype)
@@ -64,10 +69,6 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len, self.num_kvcache_blocks * self.block_size)
         self.kv_cache = self.kv_spec.allocate(self.num_kvcache_blocks, self.device)
         self.backend.bind_kv_cache(self.kv_cache)
-        self.stager = Stager(self.device)
-        self._prev_rows: dict[int, int] = {}  # seq_id -> row of the last launched step's sampled tokens
-        self._prev_sampled: torch.Tensor | None = None  # those tokens, on the device
-        self.graph_runner = None
         if self.device.type == "cuda":
             # allocating pinned memory per step would synchronize the device
             self._pinned = [torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
@@ -135,7 +136,8 @@ class ModelRunner:
             self.sampler(logits, SamplingTensors(torch.ones(cfg.max_num_seqs, device=self.device)))  # compiles its kernel
             del logits
         self.backend.bind_kv_cache(None)
-        torch.cuda.synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
         return cache.numel() * cache.element_size()
 
     # ---- one step ----------------------------------------------------------------------------
