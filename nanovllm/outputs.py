@@ -3,6 +3,7 @@
 nano-vllm's shortcuts still work: `out.text`, `out.token_ids`, `out.finish_reason`, `out["text"]`
 and `out["token_ids"]` read the first completion, `out.outputs[0]`.
 """
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -15,8 +16,36 @@ class Logprob:
     decoded_token: str | None = None
 
 
-# per position, {token id: Logprob} with the sampled (or prompt) token and the top-`logprobs` ones
-SampleLogprobs = list[dict[int, Logprob]]
+class SampleLogprobs(Sequence):
+    """vLLM's SampleLogprobs (and PromptLogprobs): per position, {token id: Logprob} with the
+    sampled (or prompt) token and the top-`logprobs` ones; None for a prompt's first position.
+    A sequence that makes each dict when it is read: a throughput run with logprobs=5 would
+    otherwise build six objects per token that nobody reads (vLLM's FlatLogprobs does the same).
+    rows: per position (token ids, logprobs, ranks) or None; decode: token id -> its text or None.
+    Pickled (across processes) as a plain list of dicts."""
+
+    def __init__(self, rows: list, decode: Callable[[int], str | None]):
+        self._rows, self._decode = rows, decode
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return SampleLogprobs(self._rows[i], self._decode)
+        row = self._rows[i]
+        return None if row is None else {t: Logprob(lp, r, self._decode(t)) for t, lp, r in zip(*row)}
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, (list, SampleLogprobs)) and list(self) == list(other)
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+    def __reduce__(self):
+        return list, (list(self),)
 
 
 @dataclass

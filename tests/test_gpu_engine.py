@@ -90,8 +90,35 @@ def test_too_little_gpu_memory_says_what_to_change():
     in_use = total - free
     with pytest.raises(MemoryError, match=r"the weights need 1\.1\d GiB .*raise gpu_memory_utilization"):
         LLM("Qwen/Qwen3-0.6B", load_format="dummy", gpu_memory_utilization=(in_use + 2**29) / total)
-    # room for the weights (1.11 GiB) and the warm-up, not for one 40,960-token sequence (4.4 GiB of KV)
+    # room for the weights (1.11 GiB) and the warm-up, not for one 40,960-token sequence (4.4 GiB of KV):
+    # an explicit max_model_len is refused, the model's default is lowered to what the pool holds
+    utilization = (in_use + 3 * 2**30) / total
     with pytest.raises(ValueError, match=r"one sequence of max_model_len=40960 needs .*raise gpu_memory_utilization "
                                          r"or lower max_model_len \(or set num_kvcache_blocks\)"):
-        LLM("Qwen/Qwen3-0.6B", load_format="dummy", gpu_memory_utilization=(in_use + 3 * 2**30) / total,
+        LLM("Qwen/Qwen3-0.6B", load_format="dummy", gpu_memory_utilization=utilization, max_model_len=40960,
             enforce_eager=True)
+    # 5 GiB: the weights, the warm-up's peak (~2 GiB at 40,960 tokens) and a pool of less than 4.4 GiB
+    llm = LLM("Qwen/Qwen3-0.6B", load_format="dummy", gpu_memory_utilization=(in_use + 5 * 2**30) / total,
+              enforce_eager=True)
+    assert 0 < llm.engine.config.max_model_len < 40960
+
+
+def test_sampling_paths_on_the_gpu(qwen3_06b):
+    """A seeded request draws the same tokens alone (the Gumbel-max kernel, or the top-k path) and
+    beside requests that send the batch down the top-k or the sorted path (the same hashed noise);
+    its raw logprobs equal transformers' log-softmax."""
+    from nanovllm import LLM, SamplingParams
+    path, model, _ = qwen3_06b
+    llm = LLM(path, max_model_len=2048)
+    prompt, others = prompts()[1], [SamplingParams(temperature=0.7, top_k=20, max_tokens=8),
+                                     SamplingParams(top_p=0.9, max_tokens=8)]
+    for seeded in (SamplingParams(temperature=1.0, seed=11, max_tokens=8, ignore_eos=True, logprobs=2),
+                   SamplingParams(temperature=1.0, top_k=50, seed=12, max_tokens=8, ignore_eos=True)):
+        alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0]
+        for other in others:
+            both = llm.generate([prompt, prompts()[2]], [seeded, other], use_tqdm=False)[0].outputs[0]
+            assert both.token_ids == alone.token_ids, (seeded, other)
+        if seeded.logprobs:
+            ref = logits(model, prompt + alone.token_ids)[len(prompt) - 1:-1].log_softmax(-1)
+            for step, token, lp in zip(alone.logprobs, alone.token_ids, ref):
+                assert step[token].logprob == pytest.approx(lp[token].item(), abs=0.05)  # bf16: 2^-8 of |logprob| ~ 12

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.layers.sampler import Sampler, SamplingTensors, gumbel_noise
 
 
 def sample(sampler, x, temperatures=None, **kwargs):
@@ -60,20 +60,24 @@ def test_top_k_and_top_p_together():
     assert seen <= set(order[:5].tolist())
 
 
+def seeds(rows, values):
+    return torch.tensor(rows), torch.tensor(values)
+
+
 def test_per_request_seed_repeats_whatever_the_batch():
+    """A seeded row draws the same token whatever the other rows are and whichever path (sorted,
+    top-k, plain) the batch takes; different seeds draw differently."""
     x = logits(n=3, vocab=1000, seed=5)
     temps = torch.ones(3)
-
-    def draw(rows, gen_seed):
-        gens = {r: torch.Generator().manual_seed(gen_seed) for r in rows}
-        return sample(Sampler(), x, temps, generators=gens)
-
-    a, b = draw([0, 2], 42), draw([0, 2], 42)
+    a = sample(Sampler(seed=1), x, temps, seeds=seeds([0, 2], [42, 43]))
+    b = sample(Sampler(seed=2), x, temps, seeds=seeds([0, 2], [42, 43]))
     assert a[0] == b[0] and a[2] == b[2]
-    seq_a = [sample(Sampler(), x[:1], temps[:1], generators={0: g}).item() for g in [torch.Generator().manual_seed(7)] * 20]
-    g = torch.Generator().manual_seed(7)
-    seq_b = [sample(Sampler(), x[:1], temps[:1], generators={0: g}).item() for _ in range(20)]
-    assert seq_a == seq_b and len(set(seq_a)) > 1
+    alone = sample(Sampler(), x[2:], temps[:1], seeds=seeds([0], [43]))
+    filtered = sample(Sampler(), x, temps, seeds=seeds([2], [43]), top_p=torch.tensor([0.5, 0.9, 1.0]))
+    top_k = sample(Sampler(), x, temps, seeds=seeds([2], [43]), top_k=torch.tensor([3, 5, 1000]), max_top_k=1000)
+    assert alone[0] == filtered[2] == top_k[2] == a[2]
+    draws = [sample(Sampler(), x[:1], temps[:1], seeds=seeds([0], [s])).item() for s in range(30)]
+    assert len(set(draws)) > 5
 
 
 def test_engine_seed_repeats():
@@ -111,6 +115,11 @@ def test_gumbel_max_kernel_samples_the_softmax():
     assert (counts - expected).abs().max() < 5 * expected ** 0.5, counts
     ties = torch.tensor([[1.0, 3.0, 3.0, 0.0]], device=device)
     assert gumbel_max_sample(ties, torch.zeros(1, device=device), seeds[:1]).item() == 1
+    rows = torch.randn(4, 3000).to(device) * 3  # the kernel's noise is gumbel_noise's: seeded rows agree
+    seeded = torch.tensor([7, 2**31 - 2, 0, 123456], device=device)
+    token_ids = torch.arange(3000, device=device).expand(4, 3000)
+    expected = (rows / 0.8 + gumbel_noise(seeded, token_ids)).argmax(-1)
+    assert torch.equal(gumbel_max_sample(rows, torch.full((4,), 0.8, device=device), seeded.to(torch.int32)), expected)
     wide = torch.randn(3, 20000).to(device)  # spans several chunks; ties across chunks take the first
     wide[:, 9000] = wide[:, 17000] = 10.0
     assert gumbel_max_sample(wide, torch.zeros(3, device=device), seeds[:3]).tolist() == [9000] * 3
@@ -125,8 +134,45 @@ def test_top_k_path_draws_what_the_sorted_path_draws():
     kwargs = dict(top_k=torch.tensor([5, 40, 0, 300]), top_p=torch.tensor([0.9, 0.6, 1.0, 0.95]),
                   min_p=torch.tensor([0.0, 0.05, 0.0, 0.01]))
     for trial in range(40):
-        gens = [{r: torch.Generator().manual_seed(trial * 10 + r) for r in (0, 1, 3)} for _ in range(2)]
-        fast = sample(Sampler(), x, temps, max_top_k=300, generators=gens[0], **kwargs)
-        slow = sample(Sampler(), x, temps, generators=gens[1], **kwargs)
+        seeded = seeds([0, 1, 3], [trial * 10 + r for r in (0, 1, 3)])
+        fast = sample(Sampler(), x, temps, max_top_k=300, seeds=seeded, **kwargs)
+        slow = sample(Sampler(), x, temps, seeds=seeded, **kwargs)
         assert torch.equal(fast, slow), trial
     assert fast[2] == x[2].argmax()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_of_temperature_sampling(dtype):
+    """Raw logprobs next to plain temperature sampling (on CUDA: beside the Gumbel-max kernel): the
+    float32 log-softmax of the logits as given, at the sampled token and the top k, with ranks."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = logits(n=5, vocab=1999, seed=3).to(device, dtype)
+    rows = torch.tensor([0, 2, 3], device=device)
+    sampled, lp = Sampler(seed=1)(x, SamplingTensors(torch.tensor([0.7, 1.0, 0.0, 1.5, 0.9], device=device),
+                                                     num_logprobs=4, logprob_rows=rows))
+    ref = x.float().log_softmax(-1)[rows]
+    assert lp.token_ids.shape == lp.logprobs.shape == lp.ranks.shape == (3, 5)
+    assert torch.equal(lp.token_ids[:, 0], sampled[rows]) and sampled[2] == x[2].argmax()
+    torch.testing.assert_close(lp.logprobs[:, :1], ref.gather(1, sampled[rows, None]), rtol=0, atol=1e-5)
+    assert torch.equal(lp.ranks[:, 0], (ref > ref.gather(1, sampled[rows, None])).sum(-1) + 1)
+    top = ref.topk(4)
+    torch.testing.assert_close(lp.logprobs[:, 1:], top.values, rtol=0, atol=1e-5)
+    assert torch.equal(lp.ranks[:, 1:].cpu(), torch.arange(1, 5).expand(3, 4))
+    assert torch.equal(ref.gather(1, lp.token_ids[:, 1:]), top.values)  # ids of the top values (ties allowed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logsumexp_and_rank_kernel(dtype):
+    """The one-pass logprob kernel (Triton's interpreter without CUDA) against float32 torch, on a
+    vocabulary of several chunks with a ragged end, -inf entries and ties with the token's logit."""
+    pytest.importorskip("triton")
+    from nanovllm.layers.sampling_kernel import logsumexp_and_rank
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = (torch.randn(3, 17001, generator=torch.Generator().manual_seed(9)) * 4).to(device, dtype)
+    x[0, :9000] = float("-inf")  # a whole chunk of -inf and part of the next
+    x[2, 5] = x[2, 16999] = x[2].max()  # the token ties with another entry: neither counts as above
+    token_ids = torch.tensor([12000, 17000, 5], device=device)
+    ref = x.float()
+    lse, rank = logsumexp_and_rank(x, token_ids)
+    torch.testing.assert_close(lse, ref.logsumexp(-1), rtol=1e-6, atol=1e-5)
+    assert torch.equal(rank, (ref > ref.gather(1, token_ids[:, None])).sum(-1) + 1) and rank[2] == 1

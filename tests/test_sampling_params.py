@@ -1,6 +1,7 @@
 """vLLM's SamplingParams fields and LLM/LLMEngine surface against references: transformers'
 generate and log-softmax on the tiny models, the real demo tokenizer for text and stop strings."""
 import json
+import pickle
 import shutil
 import threading
 
@@ -75,6 +76,10 @@ def test_logprobs_equal_the_log_softmax(tiny_qwen3, mode):
         assert all(step[t].logprob == pytest.approx(v, abs=1e-4) and step[t].rank == r + 1
                    for r, (v, t) in enumerate(zip(top.values.tolist(), top.indices.tolist())))
     assert out.cumulative_logprob == pytest.approx(sum(s[t].logprob for s, t in zip(out.logprobs, out.token_ids)))
+    # the dicts are made when read: slices, negative indices and pickling (to other processes) see the same
+    as_list = list(out.logprobs)
+    assert out.logprobs[2:4] == as_list[2:4] and out.logprobs[-1] == as_list[-1]
+    assert pickle.loads(pickle.dumps(out.logprobs)) == as_list and type(pickle.loads(pickle.dumps(out.logprobs))) is list
 
 
 def test_token_masks(llm, tiny_qwen3):

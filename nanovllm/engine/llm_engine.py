@@ -145,7 +145,7 @@ class LLMEngine(EngineBase):
                 continue  # aborted, or stopped at an earlier token: this one was extra
             seq.token_ids[pos] = token
             if entry is not None:
-                seq.logprobs.append(tuple(x[:k + 1] for x in entry))
+                seq.logprobs.append(first_k(entry, k))
                 seq.cumulative_logprob += entry[1][0]
             new_text = seq.detokenizer.add(token) if seq.detokenizer else ""
             stop = check_stop(seq, token, self.config.eos_token_ids, self.config.max_model_len, new_text)
@@ -176,6 +176,12 @@ class LLMEngine(EngineBase):
             for pos in range(first + 1, first + count + 1):
                 entry = next(entries)
                 if request is not None and pos == len(request.prompt_logprobs):
-                    request.prompt_logprobs.append(tuple(x[:k + 1] for x in entry))
+                    request.prompt_logprobs.append(first_k(entry, k))
             if request is not None:
                 changed[request.request_id] = request
+
+
+def first_k(entry: tuple, k: int) -> tuple:
+    """A position's (token ids, logprobs, ranks) cut to its token and top k (the step computed the
+    most any row asked for)."""
+    return entry if len(entry[0]) == k + 1 else tuple(x[:k + 1] for x in entry)

@@ -6,7 +6,7 @@ from numbers import Integral
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
-from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -33,6 +33,7 @@ class Processor:
 
     def __init__(self, config: Config):
         self.tokenizer = config.tokenizer
+        self._token_texts: dict[int, str] = {}
         self.vocab_size = config.hf_config.vocab_size
         self.max_model_len = config.max_model_len
 
@@ -128,7 +129,7 @@ class Processor:
             return None
         prompt_lp = request.prompt_logprobs
         if prompt_lp is not None:
-            prompt_lp = [None, *self._logprobs(prompt_lp[1:], request.params)]
+            prompt_lp = self._logprobs(prompt_lp, request.params)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, prompt_lp,
                              completions, request.finished, request.seqs[0].num_cached_tokens)
 
@@ -152,8 +153,18 @@ class Processor:
         return CompletionOutput(seq.index, text, known[start:], seq.cumulative_logprob if logprobs is not None else None,
                                 logprobs, seq.finish_reason, seq.stop_reason)
 
-    def _logprobs(self, steps: list, params: SamplingParams) -> list[dict[int, Logprob]]:
-        """Host (token ids, logprobs, ranks) per position into vLLM's {token id: Logprob} dicts."""
-        decode = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) \
-            if params.detokenize and self.tokenizer is not None else (lambda t: None)
-        return [{t: Logprob(lp, r, decode(t)) for t, lp, r in zip(*step)} for step in steps]
+    def _logprobs(self, steps: list, params: SamplingParams) -> SampleLogprobs:
+        """Host (token ids, logprobs, ranks) per position (None for a prompt's first) as vLLM's
+        [{token id: Logprob}], each position's dict made when read."""
+        decode = self._token_text if params.detokenize and self.tokenizer is not None else _no_text
+        return SampleLogprobs(list(steps), decode)
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)  # one entry per token id ever read (at most the vocabulary)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+def _no_text(token_id: int) -> None:
+    return None

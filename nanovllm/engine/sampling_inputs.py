@@ -21,8 +21,8 @@ def sampling_tensors(seqs: list[Sequence], device: torch.device, vocab_size: int
                      prev_rows: dict[int, int], prev_sampled: torch.Tensor | None) -> SamplingTensors | None:
     """The step's SamplingTensors. A completion token not read back yet (PLACEHOLDER, the last
     one) is taken on the device from prev_sampled, at row prev_rows[seq_id]. A seeded row's noise
-    comes from a generator seeded by (its seed, its completion length), so it repeats whatever
-    the batch and after a preemption. None when every row is plain greedy."""
+    is hashed from (its seed, its completion length), so it repeats whatever the batch and after
+    a preemption. None when every row is plain greedy."""
     params = [seq.sampling_params for seq in seqs]
     if not any(p.temperature > 0 or p.needs_processing for p in params):
         return None
@@ -44,8 +44,9 @@ def sampling_tensors(seqs: list[Sequence], device: torch.device, vocab_size: int
             st.top_p = dev([p.top_p for p in params], torch.float32)
         if any(p.min_p > 0 for p in params):
             st.min_p = dev([p.min_p for p in params], torch.float32)
-        st.generators = {row: torch.Generator(device).manual_seed(hash((seq.seed, seq.num_completion_tokens)) % 2**63)
-                         for row, seq in enumerate(seqs) if seq.seed is not None and seq.sampling_params.temperature > 0}
+        seeded = [(row, hash((seq.seed, seq.num_completion_tokens)) & 0x7FFFFFFF)
+                  for row, seq in enumerate(seqs) if seq.seed is not None and seq.sampling_params.temperature > 0]
+        st.seeds = (dev([r for r, _ in seeded], torch.int64), dev([s for _, s in seeded], torch.int64)) if seeded else None
     # the rest only for rows that need more than temperature and filters (none in a plain batch)
     rows = [(row, seq, seq.sampling_params) for row, seq in enumerate(seqs) if seq.sampling_params.needs_processing]
     if not rows:

@@ -12,7 +12,8 @@ from nanovllm.layers.logits_processors import apply_logits_processors
 class SamplingTensors:
     """N sampled rows. temperatures [N] float32 (0: greedy), or None when every row is greedy.
     top_k [N] int64, top_p [N], min_p [N] float32; max_top_k: the largest top_k when every row with
-    temperature > 0 has one, else 0. generators: {row: torch.Generator} of seeded rows.
+    temperature > 0 has one, else 0. seeds: (rows [S] int64, seeds [S] int64 in [0, 2^31)) of the
+    seeded rows, whose noise is gumbel_noise(seed, token id), the same in every sampling path.
     penalties: (presence [N], frequency [N], repetition [N]) float32. output_ids [N, L] int64: each
     row's completion so far, right-aligned, padded on the left with vocab_size. prompt_ids [N, P]:
     likewise the prompts, only for repetition_penalty. logit_bias: (rows, token ids, values).
@@ -26,7 +27,7 @@ class SamplingTensors:
     max_top_k: int = 0
     top_p: torch.Tensor | None = None
     min_p: torch.Tensor | None = None
-    generators: dict | None = None
+    seeds: tuple | None = None
     penalties: tuple | None = None
     output_ids: torch.Tensor | None = None
     prompt_ids: torch.Tensor | None = None
@@ -41,32 +42,57 @@ class SamplingTensors:
 
 @dataclass
 class TokenLogprobs:
-    """For R rows of logits: the log-probability [R] and rank [R] (1: the most likely) of one token
-    each (the sampled one, or the next prompt token), and the top K tokens' ids [R, K] and logprobs [R, K]."""
+    """For R rows of logits, column 0 one token each (the sampled one, or the next prompt token),
+    then the top K: token_ids [R, 1 + K] int64, logprobs [R, 1 + K] float32 (natural log) and
+    ranks [R, 1 + K] int64 (1: the most likely)."""
     token_ids: torch.Tensor
     logprobs: torch.Tensor
     ranks: torch.Tensor
-    top_ids: torch.Tensor
-    top_logprobs: torch.Tensor
 
     def to(self, device, non_blocking: bool = False) -> "TokenLogprobs":
         return TokenLogprobs(*(getattr(self, f).to(device, non_blocking=non_blocking)
                                for f in self.__dataclass_fields__))
 
     def tolist(self) -> list[tuple[list[int], list[float], list[int]]]:
-        """Per row, (token ids, logprobs, ranks): its token first, then the top K."""
-        k = self.top_ids.size(1)
-        return [([t, *ids], [lp, *lps], [r, *range(1, k + 1)]) for t, lp, r, ids, lps in zip(
-            self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist(),
-            self.top_ids.tolist(), self.top_logprobs.tolist())]
+        """Per row, (token ids, logprobs, ranks), each of 1 + K."""
+        return list(zip(self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()))
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> TokenLogprobs:
-    """The log-softmax (float32) of logits [R, vocab] at token_ids [R], their ranks, and the top k."""
-    logprobs = logits.float().log_softmax(-1)
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
-    top_lp, top_ids = logprobs.topk(k, dim=-1)
-    return TokenLogprobs(token_ids, chosen.squeeze(1), (logprobs > chosen).sum(-1) + 1, top_ids, top_lp)
+    """The log-softmax of logits [R, vocab] (computed in float32) at token_ids [R], their ranks,
+    and the top k. The [R, vocab] log-softmax is never written: logprob = logit - logsumexp, and
+    ranks and the top k are the same on logits as on logprobs. On CUDA the logsumexp and ranks
+    come from one read of the logits (sampling_kernel.logsumexp_and_rank)."""
+    chosen = logits.gather(1, token_ids.unsqueeze(1)).float()
+    top, top_ids = logits.topk(k, dim=-1)
+    if logits.is_cuda:
+        from nanovllm.layers.sampling_kernel import logsumexp_and_rank
+        lse, rank = logsumexp_and_rank(logits, token_ids)
+    else:
+        x = logits.float()
+        lse, rank = x.logsumexp(-1), (x > chosen).sum(-1) + 1
+    ranks = torch.cat([rank.unsqueeze(1), torch.arange(1, k + 1, device=logits.device).expand(logits.size(0), k)], 1)
+    return TokenLogprobs(torch.cat([token_ids.unsqueeze(1), top_ids], 1),
+                         torch.cat([chosen, top.float()], 1) - lse.unsqueeze(1), ranks)
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding uint32 values (the low 32 bits of
+    each product are kept, as in uint32 arithmetic); sampling_kernel._fmix32 in torch."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def gumbel_noise(seeds: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise -log(-log(U)) [S, M] float32 of seeds [S] int64 (in [0, 2^31)) at token_ids
+    [S, M] int64: U from the counter-based hash of (seed, token id) that the Gumbel-max kernel
+    uses (sampling_kernel.py), so a seeded row draws the same token on every path."""
+    bits = _fmix32((token_ids * 0x9E3779B9 + _fmix32(seeds).unsqueeze(1)) & 0xFFFFFFFF)
+    u = ((bits >> 8).float() + 0.5) * (1.0 / 16777216)  # 24 random bits, in (0, 1)
+    return -(-u.log()).log()
 
 
 class Sampler(nn.Module):
@@ -77,10 +103,11 @@ class Sampler(nn.Module):
     then greedy rows (temperature 0) take the argmax; the others are scaled by 1/temperature and
     filtered: min_p (drop tokens below min_p * the top probability), top_k (keep the k largest),
     top_p (keep the smallest set whose mass reaches top_p, the top token always kept). Sampling
-    uses the exponential race argmax(p / E), E ~ Exp(1), which draws exactly from p; each seeded
-    row draws its E from its own generator, so it repeats regardless of what else is in the batch.
-    On CUDA, a batch with temperatures alone is sampled in one pass by the Gumbel-max kernel
-    (sampling_kernel.py), the same distribution. Logprobs are the log-softmax of the raw logits
+    is the Gumbel-max draw argmax(logits / T + G), exactly from softmax(logits / T) over the kept
+    tokens (Gumbel 1954); G = -log(E), E ~ Exp(1) from the engine's generator, except in seeded
+    rows, whose G is a hash of (seed, token id) (gumbel_noise), so they repeat whatever else is in
+    the batch. On CUDA, a batch with temperatures alone is sampled in one pass by the Gumbel-max
+    kernel (sampling_kernel.py), with the same hash in seeded rows. Logprobs are the log-softmax of the raw logits
     (logprobs_mode "raw_logprobs") or of the logits the token was drawn from ("processed_logprobs":
     after the processors, temperature and filters).
     """
@@ -100,17 +127,21 @@ class Sampler(nn.Module):
         if st.temperatures is None:
             sampled, final = logits.argmax(-1), logits
         elif logits.is_cuda and not processed and st.top_k is None and st.top_p is None and st.min_p is None \
-                and not st.generators and st.num_logprobs < 0:
+                and (st.num_logprobs < 0 or self.logprobs_mode == "raw_logprobs"):
             from nanovllm.layers.sampling_kernel import gumbel_max_sample
             gen = self._default_generator(logits.device)
             seeds = torch.randint(0, 2**31 - 1, (logits.size(0),), dtype=torch.int32, device=logits.device, generator=gen)
-            return gumbel_max_sample(logits, st.temperatures, seeds), None
+            if st.seeds is not None:
+                seeds[st.seeds[0]] = st.seeds[1].to(torch.int32)
+            sampled, final = gumbel_max_sample(logits, st.temperatures, seeds), None
         else:
-            sampled, final = self._sample(logits.float(), st)
+            sampled, final = self._sample(logits, st)
         if st.num_logprobs < 0:
             return sampled, None
-        source = raw if self.logprobs_mode == "raw_logprobs" else final
-        return sampled, token_logprobs(source[st.logprob_rows], sampled[st.logprob_rows], st.num_logprobs)
+        source, chosen = raw if self.logprobs_mode == "raw_logprobs" else final, sampled
+        if st.logprob_rows.numel() < source.size(0):  # else they are all the rows, in order
+            source, chosen = source[st.logprob_rows], sampled[st.logprob_rows]
+        return sampled, token_logprobs(source, chosen, st.num_logprobs)
 
     def _sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(sampled ids, the logits they were drawn from: scaled and filtered, greedy rows unscaled;
@@ -120,26 +151,30 @@ class Sampler(nn.Module):
         max_top_k largest logits (torch.topk) instead of the sorted vocabulary, and the draw is the
         same: a seeded row's noise at those tokens is the noise it has over the whole vocabulary."""
         greedy = st.temperatures == 0
-        logits = logits / torch.where(greedy, 1.0, st.temperatures).unsqueeze(1)
+        scale = torch.where(greedy, 1.0, st.temperatures).unsqueeze(1)  # float32: the quotient is float32
         if st.max_top_k and (st.num_logprobs < 0 or self.logprobs_mode == "raw_logprobs"):
-            values, ids = logits.topk(st.max_top_k, dim=-1)
-            probs = self._filter_sorted(values, st).softmax(-1)
-            noise = torch.empty_like(probs).exponential_(generator=self._default_generator(probs.device))
-            for row, gen in (st.generators or {}).items():
-                noise[row] = torch.empty(logits.size(1), device=logits.device).exponential_(generator=gen)[ids[row]]
-            choice = (probs / noise.clamp_min_(1e-20)).argmax(-1, keepdim=True)  # Exp(1) can round to 0
+            values, ids = logits.topk(st.max_top_k, dim=-1)  # the order of logits / scale, in one read of them
+            choice = (self._filter_sorted(values / scale, st) + self._noise(ids, st)).argmax(-1, keepdim=True)
             return torch.where(greedy, ids[:, 0], ids.gather(1, choice).squeeze(1)), None
+        logits = logits / scale
         if st.top_k is not None or st.top_p is not None:
             values, order = logits.sort(-1, descending=True)
             logits = torch.empty_like(logits).scatter_(-1, order, self._filter_sorted(values, st))
         elif st.min_p is not None:
             probs = logits.softmax(-1)
             logits = logits.masked_fill(probs < st.min_p.unsqueeze(1) * probs.amax(-1, keepdim=True), float("-inf"))
-        probs = logits.softmax(-1)
-        noise = torch.empty_like(probs).exponential_(generator=self._default_generator(probs.device))
-        for row, gen in (st.generators or {}).items():
-            noise[row].exponential_(generator=gen)
-        return torch.where(greedy, logits.argmax(-1), (probs / noise.clamp_min_(1e-20)).argmax(-1)), logits
+        token_ids = torch.arange(logits.size(1), device=logits.device).expand_as(logits)
+        return torch.where(greedy, logits.argmax(-1), (logits + self._noise(token_ids, st)).argmax(-1)), logits
+
+    def _noise(self, token_ids: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        """Gumbel noise [N, M] float32 at token_ids [N, M]: the engine's generator's, seeded rows' from
+        their seeds. Exp(1) can round to 0: clamped, so that no filtered (-inf) logit can win."""
+        noise = -torch.empty(token_ids.shape, device=token_ids.device).exponential_(
+            generator=self._default_generator(token_ids.device)).clamp_min_(1e-20).log_()
+        if st.seeds is not None:
+            rows, seeds = st.seeds
+            noise[rows] = gumbel_noise(seeds, token_ids[rows])
+        return noise
 
     @staticmethod
     def _filter_sorted(values: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -1,9 +1,10 @@
-"""One-pass sampling for rows that only scale by temperature: the Gumbel-max trick
+"""One pass over rows of logits on the GPU. Sampling for rows that only scale by temperature: the Gumbel-max trick
 (argmax(x / T + G), G = -log(-log(U)), U ~ Uniform(0, 1), draws exactly from softmax(x / T);
 Gumbel 1954, as used by e.g. Kool et al. 2019). The logits are read once and nothing of
 vocabulary size is written. The uniforms come from a counter-based hash (MurmurHash3's 32-bit
 finaliser over the row's seed and the token index): Philox (tl.rand) made the kernel ALU-bound,
-130 us for 256 x 151,936 logits on an H200."""
+130 us for 256 x 151,936 logits on an H200. Logprobs: each row's logsumexp and the rank of its
+token, without writing a log-softmax of vocabulary size."""
 import torch
 import triton
 import triton.language as tl
@@ -61,3 +62,43 @@ def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: t
     gumbel_max_kernel[(rows, chunks)](logits, logits.stride(0), temperatures, seeds, maxima, indices, logits.size(1),
                                       CHUNK=CHUNK, SUB=1024, num_warps=4)
     return indices.gather(1, maxima.argmax(1, keepdim=True)).squeeze(1)  # first chunk on ties
+
+
+@triton.jit
+def logsumexp_rank_kernel(logits_ptr, stride, token_ids_ptr, max_ptr, sum_ptr, count_ptr, vocab_size,
+                          CHUNK: tl.constexpr, SUB: tl.constexpr):
+    """Grid (num_rows, num_chunks): over one CHUNK of a row of logits, the max m, sum(exp(x - m))
+    and the count of entries above the logit of the row's token, written to [num_rows, num_chunks]
+    (an online softmax: Milakov & Gimelshein 2018)."""
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride
+    chosen = tl.load(row_ptr + tl.load(token_ids_ptr + row)).to(tl.float32)
+    m = tl.full([SUB], float("-inf"), tl.float32)
+    s = tl.zeros([SUB], tl.float32)
+    count = tl.zeros([SUB], tl.int32)
+    for start in range(chunk * CHUNK, tl.minimum(vocab_size, (chunk + 1) * CHUNK), SUB):
+        offs = start + tl.arange(0, SUB)
+        x = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32)
+        new = tl.maximum(m, x)
+        base = tl.where(new == float("-inf"), 0.0, new)  # no -inf - -inf where a lane has seen only -inf
+        s = s * tl.exp(m - base) + tl.exp(x - base)
+        m = new
+        count += (x > chosen).to(tl.int32)
+    top = tl.max(m, 0)
+    out = row * tl.num_programs(1) + chunk
+    tl.store(max_ptr + out, top)
+    tl.store(sum_ptr + out, tl.sum(s * tl.exp(m - tl.where(top == float("-inf"), 0.0, top)), 0))
+    tl.store(count_ptr + out, tl.sum(count, 0))
+
+
+def logsumexp_and_rank(logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, vocab] (any float dtype), token_ids [N] int64 -> (logsumexp of each row in float32 [N],
+    rank [N] int64 of each row's token: 1 + the entries above it), in one read of the logits."""
+    rows, chunks = logits.size(0), triton.cdiv(logits.size(1), CHUNK)
+    maxima = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    sums = torch.empty_like(maxima)
+    counts = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    logsumexp_rank_kernel[(rows, chunks)](logits, logits.stride(0), token_ids, maxima, sums, counts, logits.size(1),
+                                          CHUNK=CHUNK, SUB=1024, num_warps=4)
+    top = maxima.amax(1, keepdim=True)
+    return (top + (sums * (maxima - top).exp()).sum(1, keepdim=True).log()).squeeze(1), counts.sum(1) + 1
