@@ -1,14 +1,16 @@
-"""Throughput benchmark: nano-vllm's workload (see README), reported against the hardware floor.
+"""Throughput benchmark: nano-vllm's workload (see README), reported against the roofline floor.
 
 Default: 256 sequences, prompts of randint(100, 1024) random token ids, max_tokens randint(100, 1024),
 temperature 0.6 (--temperature, --top-p, --top-k, --min-p, --presence-penalty, --logprobs, --n change the
-sampling; --n 8 takes 256 / 8 prompts with 8 completions each), ignore_eos, on Qwen3-0.6B with random weights (the work done does not depend on
-the weight values). Throughput = output tokens / wall time of one generate call after a warm-up.
+sampling; --n 8 takes 256 / 8 prompts with 8 completions each), ignore_eos, on Qwen3-0.6B with random
+weights (the work done does not depend on the weight values). Throughput = output tokens / wall time
+of one generate call after a warm-up. --latency: one sequence, a 128-token prompt and 512 greedy
+tokens, reported in ms per token. The time LLM(...) takes to start is printed too.
 
-The floor is the time the bytes that must move take at the measured device-to-device bandwidth
-(KV cache read by every decode step, KV written once, weights read once per decode step by each
-data-parallel replica) plus the matmul FLOPs at the measured bf16 rate, with the bandwidth and
-FLOP rate of one GPU (measured on the first) times the number of GPUs used.
+The floor is a roofline lower bound (floor_seconds): per step of an ideal schedule, the larger of
+the bytes it must move (weights, KV read and written) at the measured device-to-device bandwidth
+and its FLOPs (matmuls and attention) at the measured bf16 matmul rate, summed over one prefill
+step and the decode steps; one GPU's bandwidth and rate, measured on the first, for every GPU used.
 """
 import argparse
 import json
@@ -63,16 +65,42 @@ def workload(args):
 
 
 def floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, kv_itemsize, bandwidth, flops,
-                  num_gpus=1, replicas=1, n=1):
-    """Seconds the workload needs at least on num_gpus GPUs like this one (see the module docstring);
-    with n completions per prompt each reads its prompt's KV, which is written and computed once."""
+                  tp=1, replicas=1, n=1):
+    """Roofline lower bound in seconds: per step the larger of bytes / bandwidth and FLOPs / matmul
+    rate, summed over the steps of an ideal schedule. One prefill step holds every prompt (weights
+    read once, the prompts' KV written; 2 FLOPs per weight per token plus causal attention), then
+    decode step t = 1 .. max(max_tokens) - 1 runs every completion that still has a token to make
+    (weights read, each completion's KV read, one token's KV written; 2 FLOPs per weight per token
+    plus attention over its context). n completions per prompt each read their prompt's KV, which
+    is written and computed once. Each data-parallel replica reads the weights and takes 1 /
+    replicas of every step's tokens; tensor parallelism splits a replica's bytes and FLOPs over tp
+    GPUs. bandwidth (bytes/s) and flops (FLOP/s) are one GPU's."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    kv_per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * kv_itemsize
-    kv_read = n * sum(sum(len(p) + t for t in range(1, out)) for p, out in zip(prompts, max_tokens)) * kv_per_token
-    kv_written = sum(len(p) + n * out for p, out in zip(prompts, max_tokens)) * kv_per_token
-    weights = param_bytes * max(max_tokens) * replicas
-    tokens = sum(map(len, prompts)) + n * sum(max_tokens)
-    return ((kv_read + kv_written + weights) / bandwidth + 2 * matmul_params * tokens / flops) / num_gpus
+    layers = hf_config.num_hidden_layers
+    kv_per_token = 2 * layers * hf_config.num_key_value_heads * head_dim * kv_itemsize
+    attention_flops = 4 * layers * hf_config.num_attention_heads * head_dim  # QK^T and PV per (query, key) pair
+
+    def step(kv_bytes, flop):
+        return max((param_bytes + kv_bytes / replicas) / (tp * bandwidth), flop / (replicas * tp * flops))
+
+    lens = [len(p) for p in prompts]
+    total = step(sum(lens) * kv_per_token,
+                 2 * matmul_params * sum(lens) + attention_flops * sum(m * (m + 1) // 2 for m in lens))
+    for t in range(1, max(max_tokens)):
+        live = [m for m, out in zip(lens, max_tokens) if out > t]
+        batch, context = n * len(live), n * (sum(live) + t * len(live))  # tokens made, KV tokens attended
+        total += step((context + batch) * kv_per_token, 2 * matmul_params * batch + attention_flops * context)
+    return total
+
+
+def weights_read_per_step(hf_config) -> tuple[int, int]:
+    """(bytes, matmul parameters) of the weights a forward reads in full, in bf16: all but an
+    untied input embedding, of which a step gathers a few rows (a tied one is the LM head)."""
+    with torch.device("meta"):
+        model = model_class(hf_config)(hf_config)
+    skip = set() if model.tie_word_embeddings else {id(model.model.embed_tokens.weight)}
+    params = [t for t in {id(t): t for t in model.parameters()}.values() if id(t) not in skip]
+    return sum(t.numel() for t in params) * 2, sum(t.numel() for t in params if t.dim() == 2)
 
 
 def run_nanovllm(args, prompts, max_tokens):
@@ -82,7 +110,10 @@ def run_nanovllm(args, prompts, max_tokens):
                        gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
                        kvcache_block_size=args.kvcache_block_size, tensor_parallel_size=args.tensor_parallel_size,
                        data_parallel_size=args.data_parallel_size)
+    t = time.perf_counter()
     llm = LLM(args.model, **engine_args)
+    startup = time.perf_counter() - t
+    print(f"startup: LLM(...) took {startup:.1f} s (weights, Triton compile, CUDA graphs)")
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                     presence_penalty=args.presence_penalty, logprobs=args.logprobs, ignore_eos=True)
     params = [SamplingParams(n=args.n, max_tokens=m, **sampling) for m in max_tokens]
@@ -105,7 +136,8 @@ def run_nanovllm(args, prompts, max_tokens):
     if args.step_stats:
         llm.reset_prefix_cache()
         step_stats(llm, prompts, params)
-    return seconds, llm.engine.model_runner.num_kvcache_blocks if args.data_parallel_size == 1 else None
+    blocks = llm.engine.model_runner.num_kvcache_blocks if args.data_parallel_size == 1 else None
+    return seconds, {"startup_seconds": round(startup, 2), "num_kvcache_blocks": blocks}
 
 
 def add_requests(engine, prompts, params):
@@ -178,7 +210,7 @@ def run_transformers(args, prompts, max_tokens):
     for i in range(0, len(prompts), args.hf_batch_size):
         batch_generate(prompts[i:i + args.hf_batch_size], max(max_tokens[i:i + args.hf_batch_size]))
     torch.cuda.synchronize()
-    return time.perf_counter() - t, None
+    return time.perf_counter() - t, {}
 
 
 def main():
@@ -216,7 +248,13 @@ def main():
     p.add_argument("--warmup-seqs", type=int, default=0, help="prompts of the workload in the warm-up generate")
     p.add_argument("--repeat", type=int, default=1, help="time the workload this many times (the first is reported)")
     p.add_argument("--step-stats", action="store_true", help="print time per step kind and batch size")
+    p.add_argument("--latency", action="store_true",
+                   help="one sequence: 128-token prompt, 512 greedy tokens; prints ms per token")
     args = p.parse_args()
+    if args.latency:
+        args.num_seqs, args.temperature = 1, 0.0
+        args.min_input_len = args.max_input_len = 128
+        args.min_output_len = args.max_output_len = 512
     if args.n > 1 and args.engine != "nanovllm":
         p.error("--n is for --engine nanovllm")
     if args.data_parallel_size > 1 and (args.profile or args.step_stats):
@@ -229,15 +267,12 @@ def main():
     bandwidth, flops = measure_bandwidth("cuda"), measure_matmul_flops("cuda")
     torch.cuda.empty_cache()  # leave GPU 0 to the engine
     run = run_nanovllm if args.engine == "nanovllm" else run_transformers
-    seconds, num_blocks = run(args, prompts, max_tokens)
+    seconds, details = run(args, prompts, max_tokens)
     hf_config = read_hf_config(*resolve_path(args.model, args.load_format))
-    with torch.device("meta"):
-        params = {id(t): t for t in model_class(hf_config)(hf_config).parameters()}.values()
-    param_bytes = sum(t.numel() for t in params) * 2  # bf16
-    matmul_params = sum(t.numel() for t in params if t.dim() == 2)  # embedding counted as the (tied) LM head
+    param_bytes, matmul_params = weights_read_per_step(hf_config)
     num_gpus = args.tensor_parallel_size * args.data_parallel_size
     floor = floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, 2, bandwidth, flops,
-                          num_gpus, args.data_parallel_size, args.n)
+                          args.tensor_parallel_size, args.data_parallel_size, args.n)
     output_tokens = args.n * sum(max_tokens)
     result = {
         "engine": args.engine, "model": args.model, "device": torch.cuda.get_device_name(),
@@ -246,13 +281,16 @@ def main():
         "seconds": round(seconds, 3), "tokens_per_s": round(output_tokens / seconds, 1),
         "bandwidth_tb_s": round(bandwidth / 1e12, 3), "matmul_tflop_s": round(flops / 1e12, 1),
         "floor_seconds": round(floor, 3), "floor_tokens_per_s": round(output_tokens / floor, 1),
-        "fraction_of_floor": round(floor / seconds, 3), "num_kvcache_blocks": num_blocks,
+        "fraction_of_floor": round(floor / seconds, 3), **details,
     }
     print(f"{result['engine']} on {num_gpus} x {result['device']} (TP {args.tensor_parallel_size}, DP "
           f"{args.data_parallel_size}): {output_tokens} output tokens in {seconds:.2f} s = "
           f"{result['tokens_per_s']:.0f} tok/s; floor {floor:.2f} s = {result['floor_tokens_per_s']:.0f} tok/s "
           f"(bandwidth {bandwidth / 1e12:.2f} TB/s, matmul {flops / 1e12:.0f} TFLOP/s); "
           f"fraction of floor {result['fraction_of_floor']:.3f}")
+    if result["num_seqs"] == 1:
+        result["ms_per_token"], result["floor_ms_per_token"] = (round(x / output_tokens * 1e3, 4) for x in (seconds, floor))
+        print(f"latency: {result['ms_per_token']:.3f} ms/token; floor {result['floor_ms_per_token']:.3f} ms/token")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
