@@ -129,13 +129,14 @@ def test_top_k_path_draws_what_the_sorted_path_draws():
     """With top_k on every sampling row the filters run on torch.topk's values (no sort of the
     vocabulary); seeded rows must draw the very same tokens as on the sorted path, with min_p and
     top_p too, and greedy rows take the argmax."""
-    x = logits(n=4, vocab=3000, seed=8)
-    temps = torch.tensor([0.7, 1.3, 0.0, 1.0])
-    kwargs = dict(top_k=torch.tensor([5, 40, 0, 300]), top_p=torch.tensor([0.9, 0.6, 1.0, 0.95]),
-                  min_p=torch.tensor([0.0, 0.05, 0.0, 0.01]))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = logits(n=4, vocab=3000, seed=8).to(device)
+    temps = torch.tensor([0.7, 1.3, 0.0, 1.0], device=device)
+    kwargs = dict(top_k=torch.tensor([5, 40, 0, 60], device=device), min_p=torch.tensor([0.0, 0.05, 0.0, 0.01], device=device),
+                  top_p=torch.tensor([0.9, 0.6, 1.0, 0.95], device=device))
     for trial in range(40):
-        seeded = seeds([0, 1, 3], [trial * 10 + r for r in (0, 1, 3)])
-        fast = sample(Sampler(), x, temps, max_top_k=300, seeds=seeded, **kwargs)
+        seeded = tuple(t.to(device) for t in seeds([0, 1, 3], [trial * 10 + r for r in (0, 1, 3)]))
+        fast = sample(Sampler(), x, temps, max_top_k=60, seeds=seeded, **kwargs)
         slow = sample(Sampler(), x, temps, seeds=seeded, **kwargs)
         assert torch.equal(fast, slow), trial
     assert fast[2] == x[2].argmax()
@@ -176,3 +177,4 @@ def test_logsumexp_and_rank_kernel(dtype):
     lse, rank = logsumexp_and_rank(x, token_ids)
     torch.testing.assert_close(lse, ref.logsumexp(-1), rtol=1e-6, atol=1e-5)
     assert torch.equal(rank, (ref > ref.gather(1, token_ids[:, None])).sum(-1) + 1) and rank[2] == 1
+
