@@ -145,19 +145,22 @@ class Sampler(nn.Module):
 
     def _sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(sampled ids, the logits they were drawn from: scaled and filtered, greedy rows unscaled;
-        None from the top-k path, taken only when nothing needs them).
+        None when nothing needs them, i.e. unless logprobs_mode is "processed_logprobs").
 
-        When every sampling row has a top_k (st.max_top_k), the filters run on each row's
-        max_top_k largest logits (torch.topk) instead of the sorted vocabulary, and the draw is the
-        same: a seeded row's noise at those tokens is the noise it has over the whole vocabulary."""
+        top_k and top_p run on the logits in descending order: each row's max_top_k largest
+        (torch.topk) when every sampling row has a top_k, else the sorted vocabulary; the draw
+        happens in that order (the noise of a seeded row is that of its token ids), so no
+        vocabulary-sized tensor is scattered back."""
         greedy = st.temperatures == 0
         scale = torch.where(greedy, 1.0, st.temperatures).unsqueeze(1)  # float32: the quotient is float32
-        if st.max_top_k and (st.num_logprobs < 0 or self.logprobs_mode == "raw_logprobs"):
-            values, ids = logits.topk(st.max_top_k, dim=-1)  # the order of logits / scale, in one read of them
+        need_final = st.num_logprobs >= 0 and self.logprobs_mode == "processed_logprobs"
+        if (st.top_k is not None or st.top_p is not None) and not need_final:
+            # in the order of logits / scale; greedy rows take the argmax, the first maximum as transformers'
+            values, ids = logits.topk(st.max_top_k, dim=-1) if st.max_top_k else logits.sort(-1, descending=True)
             choice = (self._filter_sorted(values / scale, st) + self._noise(ids, st)).argmax(-1, keepdim=True)
-            return torch.where(greedy, ids[:, 0], ids.gather(1, choice).squeeze(1)), None
+            return torch.where(greedy, logits.argmax(-1), ids.gather(1, choice).squeeze(1)), None
         logits = logits / scale
-        if st.top_k is not None or st.top_p is not None:
+        if st.top_k is not None or st.top_p is not None:  # processed logprobs: the filtered logits in vocabulary order
             values, order = logits.sort(-1, descending=True)
             logits = torch.empty_like(logits).scatter_(-1, order, self._filter_sorted(values, st))
         elif st.min_p is not None:
