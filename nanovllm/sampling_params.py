@@ -36,6 +36,7 @@ class SamplingParams:
     logit_bias: {token id: bias added to its logit}. allowed_token_ids: only these may be sampled.
     bad_words: words never generated (each token sequence of the word, with and without a leading
     space, is blocked at its last token).
+    truncate_prompt_tokens: keep only the prompt's last k tokens (-1: the last max_model_len).
     output_kind: what LLMEngine.step reports of unfinished requests (LLM.generate sets FINAL_ONLY).
     """
     n: int = 1
@@ -61,6 +62,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # derived by validate(): `stop` as a tuple, and whether anything but temperature and the filters
     # shapes the sampling (penalties, logit_bias, banned or allowed tokens, min_tokens, logprobs)
@@ -89,6 +91,9 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _int(self, name, 0)
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, Integral) or isinstance(k, bool) or not (k == -1 or k >= 1)):
+            raise ValueError(f"truncate_prompt_tokens must be None, -1 (max_model_len) or an integer >= 1, got {k!r}")
         for name in ("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):

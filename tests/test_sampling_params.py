@@ -97,6 +97,17 @@ def test_token_masks(llm, tiny_qwen3):
     assert outs[3].token_ids == greedy[:1] and outs[3].outputs[0].stop_reason == greedy[0]
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm, tiny_qwen3):
+    long = random_prompts([200], seed=34)[0]  # longer than max_model_len=128
+    params = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    out, = llm.generate([long], SamplingParams(truncate_prompt_tokens=20, **params), use_tqdm=False)
+    assert out.prompt_token_ids == long[-20:] and out.token_ids == hf_greedy(tiny_qwen3[1], long[-20:], 6)
+    out, = llm.generate([long], SamplingParams(truncate_prompt_tokens=-1, max_tokens=1), use_tqdm=False)
+    assert out.prompt_token_ids == long[-128:] and out.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="the prompt has 200 tokens, more than max_model_len=128"):
+        llm.generate([long], SamplingParams(**params), use_tqdm=False)
+
+
 def test_bad_words_of_several_tokens_are_blocked_at_their_last_token():
     x = torch.zeros(2, 10)
     x[:, 4] = 5.0  # token 4 is the argmax

@@ -63,7 +63,7 @@ class Processor:
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         if isinstance(prompt, dict):
             prompt = prompt.get("prompt_token_ids", text)
-        ids = self._token_ids(prompt)
+        ids = self._token_ids(prompt, params.truncate_prompt_tokens)
         if self.tokenizer is None and (params.stop_strings or params.bad_words):
             raise ValueError("stop strings and bad_words need the model's tokenizer, and it has none")
         request = Request(request_id, text, ids, params, prompt_logprobs=[None] if params.prompt_logprobs is not None
@@ -97,7 +97,8 @@ class Processor:
         if bad:
             raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
 
-    def _token_ids(self, prompt) -> list[int]:
+    def _token_ids(self, prompt, truncate: int | None = None) -> list[int]:
+        """The prompt's token ids, the last `truncate` of them when set (-1: max_model_len)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompts as token-id lists")
@@ -114,6 +115,8 @@ class Processor:
             raise ValueError(f"a prompt must be a string or a list of ints, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("the prompt is empty")
+        if truncate is not None:
+            ids = ids[-(self.max_model_len if truncate == -1 else truncate):]
         if len(ids) > self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
         return ids
