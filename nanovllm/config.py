@@ -43,7 +43,8 @@ class Config:
     "vllm" (vLLM's defaults). When max_model_len is left unset and the model's maximum does not
     fit the KV cache, the engine lowers it to what fits (and logs it). logprobs_mode: "raw_logprobs"
     (the model's log-softmax) or "processed_logprobs" (of the logits sampled from: after penalties,
-    bias, masks, temperature and filters). distributed_executor_backend: where data-parallel replicas
+    bias, masks, temperature and filters). max_logprobs: the most logprobs or prompt_logprobs a
+    request may ask for (vLLM's default 20; -1: no limit). distributed_executor_backend: where data-parallel replicas
     run: "mp" (processes of this host) or "ray" (actors on the Ray cluster, nanovllm/parallel/ray_replicas.py).
 
     After `create`, model is a local path, dtype a torch.dtype, device a torch.device, load_format,
@@ -69,6 +70,7 @@ class Config:
     data_parallel_size: int = 1
     generation_config: str = "auto"
     logprobs_mode: str = "raw_logprobs"
+    max_logprobs: int = 20
     distributed_executor_backend: str = "mp"
     # resolved by create()
     hf_config: object = field(default=None, repr=False)
@@ -114,6 +116,8 @@ class Config:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {self.max_logprobs!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

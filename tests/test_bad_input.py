@@ -36,6 +36,8 @@ def still_works(llm, hf_model):
     ([[1, 2]], SamplingParams(stop_token_ids=[VOCAB]), "stop_token_ids .* outside the vocabulary"),
     ([[1, 2]], SamplingParams(logit_bias={VOCAB + 3: 1.0}), "logit_bias token ids .* outside the vocabulary"),
     ([[1, 2]], SamplingParams(stop=["x"]), "need the model's tokenizer"),
+    ([[1, 2]], SamplingParams(logprobs=21), r"logprobs=21 is more than max_logprobs=20; raise the engine argument"),
+    ([[1, 2]], SamplingParams(prompt_logprobs=50), "prompt_logprobs=50 is more than max_logprobs=20"),
 ])
 def test_bad_prompts(llm, tiny_qwen3, prompts, params, message):
     with pytest.raises(ValueError, match=message):
@@ -112,11 +114,18 @@ def test_bad_engine_arguments(tiny_qwen3):
                             (dict(max_model_len=10**6), "exceeds the model's max_position_embeddings"),
                             (dict(kv_cache_dtype="int4"), r"kv_cache_dtype must be one of \['auto'\]"),
                             (dict(generation_config="mine"), "generation_config must be one of"),
+                            (dict(max_logprobs=-2), "max_logprobs must be an integer >= 0, or -1"),
                             (dict(num_kvcache_blocks=2, kvcache_block_size=16, max_model_len=64),
                              "raise num_kvcache_blocks")]:
         with pytest.raises(ValueError, match=message):
             LLM(path, **{"device": "cpu", **kwargs})
     assert os.path.isdir(path)
+
+
+def test_max_logprobs_minus_one_lifts_the_limit(tiny_qwen3):
+    llm = LLM(tiny_qwen3[0], device="cpu", max_logprobs=-1, kvcache_block_size=16, max_model_len=64)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=25), use_tqdm=False)[0].outputs[0]
+    assert all(len(d) in (25, 26) for d in out.logprobs)  # the top 25, and the sampled token when not among them
 
 
 def test_default_max_model_len_is_lowered_to_the_kv_cache(tiny_qwen3, caplog):

@@ -35,7 +35,7 @@ class Processor:
         self.tokenizer = config.tokenizer
         self._token_texts: dict[int, str] = {}
         self.vocab_size = config.hf_config.vocab_size
-        self.max_model_len = config.max_model_len
+        self.max_model_len, self.max_logprobs = config.max_model_len, config.max_logprobs
 
     def normalize(self, prompts, sampling_params) -> list[tuple[object, SamplingParams]]:
         """A generate call's prompts paired with their SamplingParams (one for all, or one per
@@ -59,7 +59,7 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
-        self._check_vocab(params)
+        self._check_limits(params)
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         if isinstance(prompt, dict):
             prompt = prompt.get("prompt_token_ids", text)
@@ -88,7 +88,13 @@ class Processor:
                                                      params.skip_special_tokens, params.spaces_between_special_tokens)
         return seq
 
-    def _check_vocab(self, params: SamplingParams):
+    def _check_limits(self, params: SamplingParams):
+        """What only the engine knows: logprobs within max_logprobs, token ids inside the vocabulary."""
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and self.max_logprobs != -1 and k > self.max_logprobs:
+                raise ValueError(f"{name}={k} is more than max_logprobs={self.max_logprobs}; "
+                                 f"raise the engine argument max_logprobs (-1: no limit)")
         for name in ("stop_token_ids", "allowed_token_ids"):
             bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
             if bad:
