@@ -97,7 +97,7 @@ class Config:
         _check_tensor_parallel(hf_config, args.tensor_parallel_size)
         device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                               else "cpu" if args.device == "auto" else args.device)
-        tok = load_tokenizer(path, load_format) if with_tokenizer else None
+        tok = load_tokenizer(path, load_format, hf_config) if with_tokenizer else None
         return replace(args, model=path, load_format=load_format, hf_config=hf_config, tokenizer=tok, device=device,
                        dtype=_resolve_dtype(args.dtype, device, hf_config),
                        attention_backend=_resolve_backend(args.attention_backend, device, _head_dim(hf_config)),

@@ -36,3 +36,13 @@ def test_gguf_greedy_matches_transformers(gguf_path):
         assert out.text == llm.tokenizer.decode(ref, skip_special_tokens=True)
         assert out.finish_reason == ("stop" if ref[-1] in llm.config.eos_token_ids else "length")
     assert "def" in outs[0].text and "prime" in outs[0].text.lower()  # a sensible answer
+    # the tokenizer, loaded with its class named, is the one AutoTokenizer builds from the file alone
+    from transformers import AutoTokenizer
+    auto = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    text = "Hi 你好 ü\n\tdef f(x): return x**2  🤖<|im_start|>user<|im_end|>"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTIONS[0]}]
+    assert type(llm.tokenizer) is type(auto) and llm.tokenizer.encode(text) == auto.encode(text)
+    assert llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True) == \
+        auto.apply_chat_template(messages, add_generation_prompt=True)
+    assert (llm.tokenizer.all_special_tokens, llm.tokenizer.eos_token, llm.tokenizer.pad_token, len(llm.tokenizer)) == \
+        (auto.all_special_tokens, auto.eos_token, auto.pad_token, len(auto))

@@ -54,11 +54,17 @@ def read_hf_config(path: str, load_format: str) -> PretrainedConfig:
         raise ValueError(f"cannot read {what} {path}: {e}") from None
 
 
-def load_tokenizer(path: str, load_format: str):
-    """The model's tokenizer, or None when it has none (token-id prompts still work)."""
+def load_tokenizer(path: str, load_format: str, hf_config: PretrainedConfig | None = None):
+    """The model's tokenizer, or None when it has none (token-id prompts still work). For a Qwen
+    GGUF file the tokenizer class is named (hf_config.model_type): AutoTokenizer would otherwise
+    rebuild the config from the file first, a ~15 s parse of its vocabulary on one CPU core that
+    read_hf_config has just done (the same tokenizer either way). Other architectures keep
+    AutoTokenizer's own choice (e.g. a llama GGUF may need a byte-level tokenizer, not LlamaTokenizer)."""
     kwargs = {}
     if load_format == "gguf":
         path, kwargs["gguf_file"] = os.path.split(path)
+        if hf_config is not None and hf_config.model_type in ("qwen2", "qwen3"):
+            kwargs["tokenizer_type"] = hf_config.model_type
     elif not os.path.isdir(path) or not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         return None
     try:
