@@ -138,7 +138,7 @@ class Processor:
             return None
         prompt_lp = request.prompt_logprobs
         if prompt_lp is not None:
-            prompt_lp = self._logprobs(prompt_lp, request.params)
+            prompt_lp = self._logprobs(list(prompt_lp), request.params)  # a snapshot: later chunks append
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, prompt_lp,
                              completions, request.finished, request.seqs[0].num_cached_tokens)
 
@@ -163,10 +163,10 @@ class Processor:
                                 logprobs, seq.finish_reason, seq.stop_reason)
 
     def _logprobs(self, steps: list, params: SamplingParams) -> SampleLogprobs:
-        """Host (token ids, logprobs, ranks) per position (None for a prompt's first) as vLLM's
-        [{token id: Logprob}], each position's dict made when read."""
+        """Host (token ids, logprobs, ranks) per position (None for a prompt's first), a list the
+        result keeps, as vLLM's [{token id: Logprob}], each position's dict made when read."""
         decode = self._token_text if params.detokenize and self.tokenizer is not None else _no_text
-        return SampleLogprobs(list(steps), decode)
+        return SampleLogprobs(steps, decode)
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)  # one entry per token id ever read (at most the vocabulary)

@@ -107,9 +107,9 @@ class Sampler(nn.Module):
     tokens (Gumbel 1954); G = -log(E), E ~ Exp(1) from the engine's generator, except in seeded
     rows, whose G is a hash of (seed, token id) (gumbel_noise), so they repeat whatever else is in
     the batch. On CUDA, a batch with temperatures alone is sampled in one pass by the Gumbel-max
-    kernel (sampling_kernel.py), with the same hash in seeded rows. Logprobs are the log-softmax of the raw logits
-    (logprobs_mode "raw_logprobs") or of the logits the token was drawn from ("processed_logprobs":
-    after the processors, temperature and filters).
+    kernel (sampling_kernel.py), with the same hash in seeded rows. Logprobs are the log-softmax of
+    the raw logits (logprobs_mode "raw_logprobs") or of the logits the token was drawn from
+    ("processed_logprobs": after the processors, temperature and filters).
     """
 
     def __init__(self, seed: int | None = None, logprobs_mode: str = "raw_logprobs"):
@@ -122,12 +122,13 @@ class Sampler(nn.Module):
             return logits.argmax(-1), None
         processed = any(x is not None for x in (st.penalties, st.logit_bias, st.banned, st.banned_after, st.allowed))
         raw = logits
+        need_final = st.num_logprobs >= 0 and self.logprobs_mode == "processed_logprobs"  # the logits drawn from
         if processed:
             logits = apply_logits_processors(logits.to(torch.float32, copy=True), st)  # raw stays as it was
         if st.temperatures is None:
             sampled, final = logits.argmax(-1), logits
         elif logits.is_cuda and not processed and st.top_k is None and st.top_p is None and st.min_p is None \
-                and (st.num_logprobs < 0 or self.logprobs_mode == "raw_logprobs"):
+                and not need_final:
             from nanovllm.layers.sampling_kernel import gumbel_max_sample
             gen = self._default_generator(logits.device)
             seeds = torch.randint(0, 2**31 - 1, (logits.size(0),), dtype=torch.int32, device=logits.device, generator=gen)
@@ -135,17 +136,18 @@ class Sampler(nn.Module):
                 seeds[st.seeds[0]] = st.seeds[1].to(torch.int32)
             sampled, final = gumbel_max_sample(logits, st.temperatures, seeds), None
         else:
-            sampled, final = self._sample(logits, st)
+            sampled, final = self._sample(logits, st, need_final)
         if st.num_logprobs < 0:
             return sampled, None
-        source, chosen = raw if self.logprobs_mode == "raw_logprobs" else final, sampled
+        source, chosen = final if need_final else raw, sampled
         if st.logprob_rows.numel() < source.size(0):  # else they are all the rows, in order
             source, chosen = source[st.logprob_rows], sampled[st.logprob_rows]
         return sampled, token_logprobs(source, chosen, st.num_logprobs)
 
-    def _sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _sample(self, logits: torch.Tensor, st: SamplingTensors,
+                need_final: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(sampled ids, the logits they were drawn from: scaled and filtered, greedy rows unscaled;
-        None when nothing needs them, i.e. unless logprobs_mode is "processed_logprobs").
+        None unless need_final).
 
         top_k and top_p run on the logits in descending order: each row's max_top_k largest
         (torch.topk) when every sampling row has a top_k, else the sorted vocabulary; the draw
@@ -153,7 +155,6 @@ class Sampler(nn.Module):
         vocabulary-sized tensor is scattered back."""
         greedy = st.temperatures == 0
         scale = torch.where(greedy, 1.0, st.temperatures).unsqueeze(1)  # float32: the quotient is float32
-        need_final = st.num_logprobs >= 0 and self.logprobs_mode == "processed_logprobs"
         if (st.top_k is not None or st.top_p is not None) and not need_final:
             # in the order of logits / scale; greedy rows take the argmax, the first maximum as transformers'
             values, ids = logits.topk(st.max_top_k, dim=-1) if st.max_top_k else logits.sort(-1, descending=True)

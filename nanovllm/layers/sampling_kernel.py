@@ -1,5 +1,5 @@
-"""One pass over rows of logits on the GPU. Sampling for rows that only scale by temperature: the Gumbel-max trick
-(argmax(x / T + G), G = -log(-log(U)), U ~ Uniform(0, 1), draws exactly from softmax(x / T);
+"""One pass over rows of logits on the GPU. Sampling for rows that only scale by temperature:
+the Gumbel-max trick (argmax(x / T + G), G = -log(-log(U)), U ~ Uniform(0, 1), draws exactly from softmax(x / T);
 Gumbel 1954, as used by e.g. Kool et al. 2019). The logits are read once and nothing of
 vocabulary size is written. The uniforms come from a counter-based hash (MurmurHash3's 32-bit
 finaliser over the row's seed and the token index): Philox (tl.rand) made the kernel ALU-bound,
