@@ -6,7 +6,7 @@ import torch
 from triton.testing import do_bench
 
 from nanovllm.layers.sampler import Sampler, SamplingTensors, token_logprobs
-from nanovllm.layers.sampling_kernel import logsumexp_and_rank
+from nanovllm.layers.sampling_kernel import chunked_topk, logsumexp_and_rank
 
 
 def main():
@@ -32,9 +32,10 @@ def main():
     print(f"{n} x {args.vocab} bf16 logits; one read of them: {logits.numel() * 2 / 3e12 * 1e6:.0f} us at 3 TB/s")
     for name, st in cases.items():
         print(f"{name:>36}: {do_bench(lambda: sampler(logits, st)) * 1e3:8.1f} us")
-    pieces = {"torch.topk(20)": lambda: logits.topk(20, dim=-1), "torch.topk(5)": lambda: logits.topk(5, dim=-1),
-              "logsumexp_and_rank": lambda: logsumexp_and_rank(logits, tokens),
-              "token_logprobs(5)": lambda: token_logprobs(logits, tokens, 5)}
+    pieces = {f"{name}({k})": (lambda fn=fn, k=k: fn(logits, k)) for k in (5, 20, 64)
+              for name, fn in (("torch.topk", torch.topk), ("chunked_topk", chunked_topk))}
+    pieces |= {"logsumexp_and_rank": lambda: logsumexp_and_rank(logits, tokens),
+               "token_logprobs(5)": lambda: token_logprobs(logits, tokens, 5)}
     for name, fn in pieces.items():
         print(f"{name:>36}: {do_bench(fn) * 1e3:8.1f} us")
 

@@ -178,3 +178,30 @@ def test_logsumexp_and_rank_kernel(dtype):
     torch.testing.assert_close(lse, ref.logsumexp(-1), rtol=1e-6, atol=1e-5)
     assert torch.equal(rank, (ref > ref.gather(1, token_ids[:, None])).sum(-1) + 1) and rank[2] == 1
 
+
+
+@pytest.mark.parametrize("k", [1, 5, 33, 64])
+@pytest.mark.parametrize("vocab", [2 * 2048 + 21, 12 * 2048 + 7])
+def test_chunked_topk_kernel(k, vocab):
+    """The chunked top-k (Triton's interpreter without CUDA) against torch.topk in float32: equal
+    values, ids that hold them, no id twice; with fewer chunks than k (no threshold) and more (a
+    threshold from the chunk maxima), a last chunk shorter than k, ties at the top across chunks,
+    a row mostly -inf, and a bf16 row."""
+    pytest.importorskip("triton")
+    from nanovllm.layers.sampling_kernel import chunked_topk
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(4, vocab, generator=torch.Generator().manual_seed(k)) * 3
+    x[1, 100:110] = x[1, 3000:3005] = x[1, 4100] = 9.0  # 16 equal maxima over three chunks
+    x[2, :] = float("-inf")
+    x[2, [7, 2050, 4110]] = torch.tensor([1.0, 3.0, 2.0])  # fewer finite values than k (for k > 3)
+    x[3] = x[3].bfloat16().float()
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = x.to(device, dtype)
+        values, ids = chunked_topk(rows, k)
+        ref = rows.float().topk(k)
+        assert values.dtype == torch.float32 and ids.dtype == torch.int64 and values.shape == ids.shape == (4, k)
+        assert torch.equal(values, ref.values), dtype
+        assert torch.equal(rows.float().gather(1, ids), values)
+        assert all(len(set(r)) == k for r in ids.tolist())
+    with pytest.raises(ValueError, match="k=65"):
+        chunked_topk(x.to(device), 65)

@@ -58,13 +58,24 @@ class TokenLogprobs:
         return list(zip(self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()))
 
 
+def topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(logits, k, dim=-1) of logits [N, vocab]: (values [N, k], descending; ids [N, k]
+    int64); on CUDA, for k up to sampling_kernel.MAX_KERNEL_TOPK, by its two-stage chunked_topk
+    (float32 values; benchmarks/sampler_costs.py measures both)."""
+    if logits.is_cuda:
+        from nanovllm.layers.sampling_kernel import MAX_KERNEL_TOPK, chunked_topk
+        if k <= min(MAX_KERNEL_TOPK, logits.size(-1)):
+            return chunked_topk(logits, k)
+    return logits.topk(k, dim=-1)
+
+
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> TokenLogprobs:
     """The log-softmax of logits [R, vocab] (computed in float32) at token_ids [R], their ranks,
     and the top k. The [R, vocab] log-softmax is never written: logprob = logit - logsumexp, and
     ranks and the top k are the same on logits as on logprobs. On CUDA the logsumexp and ranks
     come from one read of the logits (sampling_kernel.logsumexp_and_rank)."""
     chosen = logits.gather(1, token_ids.unsqueeze(1)).float()
-    top, top_ids = logits.topk(k, dim=-1)
+    top, top_ids = topk(logits, k)
     if logits.is_cuda:
         from nanovllm.layers.sampling_kernel import logsumexp_and_rank
         lse, rank = logsumexp_and_rank(logits, token_ids)
@@ -150,14 +161,14 @@ class Sampler(nn.Module):
         None unless need_final).
 
         top_k and top_p run on the logits in descending order: each row's max_top_k largest
-        (torch.topk) when every sampling row has a top_k, else the sorted vocabulary; the draw
+        (topk) when every sampling row has a top_k, else the sorted vocabulary; the draw
         happens in that order (the noise of a seeded row is that of its token ids), so no
         vocabulary-sized tensor is scattered back."""
         greedy = st.temperatures == 0
         scale = torch.where(greedy, 1.0, st.temperatures).unsqueeze(1)  # float32: the quotient is float32
         if (st.top_k is not None or st.top_p is not None) and not need_final:
             # in the order of logits / scale; greedy rows take the argmax, the first maximum as transformers'
-            values, ids = logits.topk(st.max_top_k, dim=-1) if st.max_top_k else logits.sort(-1, descending=True)
+            values, ids = topk(logits, st.max_top_k) if st.max_top_k else logits.sort(-1, descending=True)
             choice = (self._filter_sorted(values / scale, st) + self._noise(ids, st)).argmax(-1, keepdim=True)
             return torch.where(greedy, logits.argmax(-1), ids.gather(1, choice).squeeze(1)), None
         logits = logits / scale

@@ -4,7 +4,8 @@ Gumbel 1954, as used by e.g. Kool et al. 2019). The logits are read once and not
 vocabulary size is written. The uniforms come from a counter-based hash (MurmurHash3's 32-bit
 finaliser over the row's seed and the token index): Philox (tl.rand) made the kernel ALU-bound,
 130 us for 256 x 151,936 logits on an H200. Logprobs: each row's logsumexp and the rank of its
-token, without writing a log-softmax of vocabulary size."""
+token, without writing a log-softmax of vocabulary size. Top k (k <= 64): the top k of each
+chunk, then torch.topk over those candidates alone."""
 import torch
 import triton
 import triton.language as tl
@@ -102,3 +103,69 @@ def logsumexp_and_rank(logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[t
                                           CHUNK=CHUNK, SUB=1024, num_warps=4)
     top = maxima.amax(1, keepdim=True)
     return (top + (sums * (maxima - top).exp()).sum(1, keepdim=True).log()).squeeze(1), counts.sum(1) + 1
+
+
+@triton.jit
+def chunk_max_kernel(logits_ptr, stride, max_ptr, vocab_size, CHUNK: tl.constexpr):
+    """Grid (num_rows, num_chunks): the max of one CHUNK of a row of logits, to max [num_rows, num_chunks]."""
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=offs < vocab_size, other=float("-inf"))
+    tl.store(max_ptr + row * tl.num_programs(1) + chunk, tl.max(x.to(tl.float32), 0))
+
+
+@triton.jit
+def chunk_topk_kernel(logits_ptr, stride, threshold_ptr, values_ptr, index_ptr, vocab_size, K: tl.constexpr,
+                      K_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Grid (num_rows, num_chunks): the largest entries of one CHUNK of a row of logits that are at
+    least the row's threshold, at most K, in descending order (the first index among equal values),
+    written to values/index [num_rows, num_chunks * K]; the other slots get -inf. Rounds of max and
+    remove over the chunk held in registers. A -inf logit becomes -FLT_MAX, so that the second
+    stage prefers it to an empty slot."""
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < vocab_size
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    x = tl.where(valid, tl.maximum(x, -3.4028234663852886e38), float("-inf"))
+    threshold = tl.load(threshold_ptr + row)
+    out = (row * tl.num_programs(1) + chunk) * K
+    top = tl.max(x, 0)
+    i = 0
+    while (i < K) & (top >= threshold):
+        index = tl.min(tl.where(x == top, offs, 2147483647), 0)
+        tl.store(values_ptr + out + i, top)
+        tl.store(index_ptr + out + i, index.to(tl.int64))
+        x = tl.where(offs == index, float("-inf"), x)  # once only -inf is left, what it stores stays -inf
+        top = tl.max(x, 0)
+        i += 1
+    rest = tl.arange(0, K_PAD)
+    tl.store(values_ptr + out + rest, float("-inf"), mask=(rest >= i) & (rest < K))
+    tl.store(index_ptr + out + rest, 0, mask=(rest >= i) & (rest < K))
+
+
+TOPK_CHUNK, MAX_KERNEL_TOPK = 2048, 64
+
+
+def chunked_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(logits, k) for logits [N, vocab] (any float dtype), 1 <= k <= min(vocab, MAX_KERNEL_TOPK):
+    (values [N, k] float32, descending; token ids [N, k] int64). Ties may come in any order, as
+    torch.topk's. Raises ValueError for k outside that range.
+
+    Three stages: each chunk's max; the row's threshold, the k-th largest of those maxima (at
+    least k entries reach it, so the top k all do); each chunk's entries at or above the
+    threshold, at most k (on real logits a handful per row, so few rounds); torch.topk over
+    those candidates alone."""
+    rows, vocab = logits.shape
+    if not 1 <= k <= min(vocab, MAX_KERNEL_TOPK):
+        raise ValueError(f"chunked_topk: k={k}, allowed 1..{min(vocab, MAX_KERNEL_TOPK)}")
+    chunks = triton.cdiv(vocab, TOPK_CHUNK)
+    maxima = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    chunk_max_kernel[(rows, chunks)](logits, logits.stride(0), maxima, vocab, CHUNK=TOPK_CHUNK, num_warps=4)
+    threshold = maxima.topk(k, dim=-1).values[:, -1].contiguous() if k <= chunks \
+        else torch.full((rows,), float("-inf"), device=logits.device)
+    values = torch.empty(rows, chunks * k, dtype=torch.float32, device=logits.device)
+    indices = torch.empty(rows, chunks * k, dtype=torch.int64, device=logits.device)
+    chunk_topk_kernel[(rows, chunks)](logits, logits.stride(0), threshold, values, indices, vocab, K=k,
+                                      K_PAD=triton.next_power_of_2(k), CHUNK=TOPK_CHUNK, num_warps=4)
+    top, where = values.topk(k, dim=-1)
+    return top.masked_fill_(top == torch.finfo(torch.float32).min, float("-inf")), indices.gather(1, where)
