@@ -137,25 +137,28 @@ class LLMEngine(EngineBase):
         changed: dict[str, Request] = {}
         tokens = self.model_runner.read_tokens(launched)
         logprobs = iter(launched.logprobs.tolist() if launched.logprobs is not None else ())
-        for seq, pos, token in zip(launched.seqs, positions, tokens):
-            k = seq.sampling_params.logprobs
-            entry = next(logprobs) if k is not None else None
-            request = self.requests.get(seq.request_id)
-            if request is None or pos >= len(seq):
+        requests, eos_token_ids, max_model_len = self.requests, self.config.eos_token_ids, self.config.max_model_len
+        for seq, pos, token in zip(launched.seqs, positions, tokens):  # the hot loop: one pass per sampled row
+            sp = seq.sampling_params
+            entry = next(logprobs) if sp.logprobs is not None else None
+            request = requests.get(seq.request_id)
+            if request is None or pos >= len(seq.token_ids):
                 continue  # aborted, or stopped at an earlier token: this one was extra
             seq.token_ids[pos] = token
             if entry is not None:
-                seq.logprobs.append(first_k(entry, k))
+                seq.logprobs.append(first_k(entry, sp.logprobs))
                 seq.cumulative_logprob += entry[1][0]
             new_text = seq.detokenizer.add(token) if seq.detokenizer else ""
-            stop = check_stop(seq, token, self.config.eos_token_ids, self.config.max_model_len, new_text)
+            stop = check_stop(seq, token, eos_token_ids, max_model_len, new_text)
             if stop and stop[0] == "stop":
                 del seq.token_ids[pos + 1:]
                 self.scheduler.finish(seq, "stop")
                 seq.stop_reason = stop[1]
             if seq.status == SequenceStatus.RUNNING:
                 self.block_manager.cache_full_blocks(seq, pos + 1)
-            if seq.is_finished or request.params.output_kind != RequestOutputKind.FINAL_ONLY:
+            elif seq.status == SequenceStatus.FINISHED:
+                changed[request.request_id] = request
+            if sp.output_kind != RequestOutputKind.FINAL_ONLY:
                 changed[request.request_id] = request
         if launched.prompt_logprobs is not None:
             self._add_prompt_logprobs(*launched.prompt_logprobs, changed)

@@ -44,11 +44,11 @@ def sampling_tensors(seqs: list[Sequence], device: torch.device, vocab_size: int
             st.top_p = dev([p.top_p for p in params], torch.float32)
         if any(p.min_p > 0 for p in params):
             st.min_p = dev([p.min_p for p in params], torch.float32)
-        seeded = [(row, hash((seq.seed, seq.num_completion_tokens)) & 0x7FFFFFFF)
-                  for row, seq in enumerate(seqs) if seq.seed is not None and seq.sampling_params.temperature > 0]
+        seeded = [(row, hash((seq.seed, seq.num_completion_tokens)) & 0x7FFFFFFF) for row, (seq, p)
+                  in enumerate(zip(seqs, params)) if p.seed is not None and p.temperature > 0]
         st.seeds = (dev([r for r, _ in seeded], torch.int64), dev([s for _, s in seeded], torch.int64)) if seeded else None
     # the rest only for rows that need more than temperature and filters (none in a plain batch)
-    rows = [(row, seq, seq.sampling_params) for row, seq in enumerate(seqs) if seq.sampling_params.needs_processing]
+    rows = [(row, seq, p) for row, (seq, p) in enumerate(zip(seqs, params)) if p.needs_processing]
     if not rows:
         return st
     bad_after = [(row, w[:-1], w[-1]) for row, seq, _ in rows for w in seq.bad_words_ids if len(w) > 1]

@@ -50,18 +50,20 @@ def plan_step(scheduled: list[tuple[Sequence, int]], block_size: int, prev_rows:
     block_tables = np.full((num_seqs, width), -1, np.int64)
     input_ids, pending, samples, sampled = [], [], [], []
     prompt_rows, prompt_targets, prompt_spans, num_prompt_logprobs = [], [], [], 0
-    for i, (seq, n) in enumerate(scheduled):
+    for i, ((seq, n), start, end) in enumerate(zip(scheduled, starts.tolist(), context_lens.tolist())):
         table = seq.block_table[:width]
         block_tables[i, :len(table)] = table
-        input_ids.extend(seq.token_ids[int(starts[i]):int(context_lens[i])])
+        input_ids.extend(seq.token_ids[start:end])
         if input_ids[-1] == PLACEHOLDER:
             pending.append((len(input_ids) - 1, prev_rows[seq.seq_id]))
-        if context_lens[i] == len(seq):
-            for child in [seq, *(forks or {}).get(seq.seq_id, ())]:
+        if end == len(seq):
+            samples.append(i)
+            sampled.append(seq)
+            for child in forks.get(seq.seq_id, ()) if forks else ():
                 samples.append(i)
                 sampled.append(child)
         if seq.sampling_params.prompt_logprobs is not None:
-            first, last = int(starts[i]), min(int(context_lens[i]), seq.num_prompt_tokens - 1)
+            first, last = start, min(end, seq.num_prompt_tokens - 1)
             if last > first:
                 prompt_rows.extend(range(int(cu_q[i]), int(cu_q[i]) + last - first))
                 prompt_targets.extend(seq.token_ids[first + 1:last + 1])

@@ -13,8 +13,8 @@ def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset, max_model_le
     only "length" can end it (the sampler masks EOS and stop ids until then). With token =
     PLACEHOLDER (sampled, not read yet) only "length" can be decided, which the engine does as
     soon as the step is launched."""
-    sp = seq.sampling_params
-    if token != PLACEHOLDER and seq.num_completion_tokens >= sp.min_tokens:
+    sp, num_completion_tokens = seq.sampling_params, len(seq.token_ids) - seq.num_prompt_tokens
+    if token != PLACEHOLDER and num_completion_tokens >= sp.min_tokens:
         if not sp.ignore_eos and token in eos_token_ids:
             return "stop", None
         if sp.stop_token_ids and token in sp.stop_token_ids:
@@ -24,7 +24,7 @@ def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset, max_model_le
             if found:
                 cut_stop_string(seq, *found)
                 return "stop", found[0]
-    if (sp.max_tokens is not None and seq.num_completion_tokens >= sp.max_tokens) or len(seq) >= max_model_len:
+    if (sp.max_tokens is not None and num_completion_tokens >= sp.max_tokens) or len(seq.token_ids) >= max_model_len:
         return "length", None
     return None
 
