@@ -5,7 +5,9 @@ temperature 0.6 (--temperature, --top-p, --top-k, --min-p, --presence-penalty, -
 sampling; --n 8 takes 256 / 8 prompts with 8 completions each), ignore_eos, on Qwen3-0.6B with random
 weights (the work done does not depend on the weight values). Throughput = output tokens / wall time
 of one generate call after a warm-up. --latency: one sequence, a 128-token prompt and 512 greedy
-tokens, reported in ms per token. The time LLM(...) takes to start is printed too.
+tokens, reported in ms per token. --kv-cache-dtype fp8: a float8 KV cache (the floor counts its
+bytes: one per value and a 4-byte scale per head vector). The time LLM(...) takes to start is
+printed too, and the KV cache's size in tokens.
 
 The floor is a roofline lower bound (floor_seconds): per step of an ideal schedule, the larger of
 the bytes it must move (weights, KV read and written) at the measured device-to-device bandwidth
@@ -109,11 +111,15 @@ def run_nanovllm(args, prompts, max_tokens):
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
                        kvcache_block_size=args.kvcache_block_size, tensor_parallel_size=args.tensor_parallel_size,
-                       data_parallel_size=args.data_parallel_size)
+                       data_parallel_size=args.data_parallel_size, kv_cache_dtype=args.kv_cache_dtype)
     t = time.perf_counter()
     llm = LLM(args.model, **engine_args)
     startup = time.perf_counter() - t
     print(f"startup: LLM(...) took {startup:.1f} s (weights, Triton compile, CUDA graphs)")
+    if args.data_parallel_size == 1:
+        runner = llm.engine.model_runner
+        print(f"KV cache: {runner.num_kvcache_blocks} blocks of {runner.block_size} = "
+              f"{runner.num_kvcache_blocks * runner.block_size} tokens in {runner.kv_spec.dtype}")
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                     presence_penalty=args.presence_penalty, logprobs=args.logprobs, ignore_eos=True)
     params = [SamplingParams(n=args.n, max_tokens=m, **sampling) for m in max_tokens]
@@ -231,6 +237,7 @@ def main():
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     p.add_argument("--data-parallel-size", "--dp", type=int, default=1)
     p.add_argument("--hf-batch-size", type=int, default=64)
@@ -255,8 +262,8 @@ def main():
         args.num_seqs, args.temperature = 1, 0.0
         args.min_input_len = args.max_input_len = 128
         args.min_output_len = args.max_output_len = 512
-    if args.n > 1 and args.engine != "nanovllm":
-        p.error("--n is for --engine nanovllm")
+    if (args.n > 1 or args.kv_cache_dtype != "auto") and args.engine != "nanovllm":
+        p.error("--n and --kv-cache-dtype are for --engine nanovllm")
     if args.data_parallel_size > 1 and (args.profile or args.step_stats):
         p.error("--profile and --step-stats look inside one engine: use them with --data-parallel-size 1")
     if not torch.cuda.is_available():
@@ -271,12 +278,15 @@ def main():
     hf_config = read_hf_config(*resolve_path(args.model, args.load_format))
     param_bytes, matmul_params = weights_read_per_step(hf_config)
     num_gpus = args.tensor_parallel_size * args.data_parallel_size
-    floor = floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, 2, bandwidth, flops,
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    kv_itemsize = 2 if args.kv_cache_dtype == "auto" else 1 + 4 / head_dim  # float8 and a float32 scale per head vector
+    floor = floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, kv_itemsize, bandwidth, flops,
                           args.tensor_parallel_size, args.data_parallel_size, args.n)
     output_tokens = args.n * sum(max_tokens)
     result = {
         "engine": args.engine, "model": args.model, "device": torch.cuda.get_device_name(),
         "tensor_parallel_size": args.tensor_parallel_size, "data_parallel_size": args.data_parallel_size,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "num_seqs": len(prompts) * args.n, "n": args.n, "prompt_tokens": sum(map(len, prompts)), "output_tokens": output_tokens,
         "seconds": round(seconds, 3), "tokens_per_s": round(output_tokens / seconds, 1),
         "bandwidth_tb_s": round(bandwidth / 1e12, 3), "matmul_tflop_s": round(flops / 1e12, 1),

@@ -1,5 +1,6 @@
 """Decode attention alone: batch x context on Qwen3-0.6B's heads, K/V bytes read over kernel time,
-as a fraction of the measured device-to-device copy bandwidth."""
+as a fraction of the measured device-to-device copy bandwidth. --kv-cache-dtype fp8: float8 K/V
+with their float32 scales (counted in the bytes)."""
 import argparse
 import itertools
 
@@ -7,7 +8,15 @@ import torch
 from triton.testing import do_bench
 
 from bench import measure_bandwidth
+from nanovllm.layers.attention.base import quantize_kv
 from nanovllm.layers.attention.triton_backend import decode_attention
+
+
+def to_fp8(k, v):
+    """(k, v, kv_scales) of bf16 caches [num_blocks, block_size, num_kv_heads, head_dim] in float8."""
+    shape = k.shape
+    (k, k_scales), (v, v_scales) = (quantize_kv(x.view(-1, *shape[2:]), torch.float8_e4m3fn) for x in (k, v))
+    return k.view(shape), v.view(shape), (k_scales.view(shape[:3]), v_scales.view(shape[:3]))
 
 
 def main():
@@ -18,6 +27,7 @@ def main():
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-sizes", type=int, nargs="+", default=[256, 16])
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     p.add_argument("--varied", action="store_true", help="context lengths uniform in [100, 2 * context]; sweep splits")
     p.add_argument("--sweep", type=int, nargs="*", metavar="BATCH",
                    help="for these batch sizes (varied lengths, first block size): time every kernel configuration")
@@ -42,11 +52,15 @@ def main():
             v = torch.randn_like(k)
             tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(args.batch, blocks_per_seq)
         q = torch.randn(args.batch, args.num_heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
-        kv_bytes = 2 * int(lens.sum()) * args.num_kv_heads * args.head_dim * 2
+        kv_scales, per_vector = None, args.head_dim * 2  # bytes of one token's K (or V) of one head
+        if args.kv_cache_dtype == "fp8":
+            (k, v, kv_scales), per_vector = to_fp8(k, v), args.head_dim + 4
+        kv_bytes = 2 * int(lens.sum()) * args.num_kv_heads * per_vector
         for splits in ([None, 1, 2, 4, 8] if args.varied else [None]):
-            seconds = do_bench(lambda: decode_attention(q, k, v, lens, tables, args.head_dim ** -0.5, num_splits=splits),
+            seconds = do_bench(lambda: decode_attention(q, k, v, lens, tables, args.head_dim ** -0.5, num_splits=splits,
+                                                        kv_scales=kv_scales),
                                warmup=50, rep=300, return_mode="median") / 1e3
-            print(f"decode attention batch {args.batch} x context {'varied ' if args.varied else ''}{args.context}, "
+            print(f"{args.kv_cache_dtype} KV: decode attention batch {args.batch} x context {'varied ' if args.varied else ''}{args.context}, "
                   f"block_size {block_size}, splits {splits or 'auto'}: {seconds * 1e6:.1f} us, "
                   f"{kv_bytes / seconds / 1e12:.2f} TB/s = {kv_bytes / seconds / bandwidth:.3f} of the copy "
                   f"bandwidth ({bandwidth / 1e12:.2f} TB/s)")
@@ -67,13 +81,17 @@ def sweep(args):
         lens = torch.randint(100, max_len, (batch,), dtype=torch.int32, device="cuda", generator=g)
         lens = lens.sort(descending=True).values
         q = torch.randn(batch, args.num_heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
-        kv_bytes = 2 * int(lens.sum()) * args.num_kv_heads * args.head_dim * 2
+        kv_scales, per_vector = None, args.head_dim * 2
+        if args.kv_cache_dtype == "fp8":
+            (k, v, kv_scales), per_vector = to_fp8(k, v), args.head_dim + 4
+        kv_bytes = 2 * int(lens.sum()) * args.num_kv_heads * per_vector
         results = []
         configs = [(None, 64, 4, 2), *itertools.product([1, 2, 4, 8], [64, 128], [4, 8], [2, 3, 4])]
         for splits, block_n, warps, stages in configs:
             try:
                 seconds = do_bench(lambda: decode_attention(q, k, v, lens, tables, args.head_dim ** -0.5, splits,
-                                                            block_n=block_n, num_warps=warps, num_stages=stages),
+                                                            kv_scales=kv_scales, block_n=block_n, num_warps=warps,
+                                                            num_stages=stages),
                                    warmup=20, rep=100, return_mode="median") / 1e3
             except Exception as e:  # e.g. out of shared memory
                 print(f"batch {batch} splits {splits} BLOCK_N {block_n} warps {warps} stages {stages}: {type(e).__name__}")
@@ -81,7 +99,7 @@ def sweep(args):
             results.append((seconds, splits, block_n, warps, stages))
         best = sorted(results, key=lambda r: r[0])[:5]
         for name, (seconds, splits, block_n, warps, stages) in [("engine", results[0]), *(("best", r) for r in best)]:
-            print(f"batch {batch} {name}: splits {splits or 'auto'} BLOCK_N {block_n} warps {warps} stages {stages}: "
+            print(f"{args.kv_cache_dtype} KV batch {batch} {name}: splits {splits or 'auto'} BLOCK_N {block_n} warps {warps} stages {stages}: "
                   f"{seconds * 1e6:.1f} us, {kv_bytes / seconds / bandwidth:.3f} of the copy bandwidth", flush=True)
 
 

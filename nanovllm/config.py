@@ -19,7 +19,7 @@ DTYPES = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfl
           "float": torch.float32}
 DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", *BACKENDS)
-KV_CACHE_DTYPES = ("auto",)
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}  # and "auto"
 RESOLVED = ("hf_config", "tokenizer", "eos_token_ids", "generation_defaults", "max_model_len_is_default")  # set by create(), not engine arguments
 
 
@@ -33,7 +33,8 @@ class Config:
     num_kvcache_blocks: KV pool size, overriding the memory-based sizing. cpu_kvcache_space_gib: KV
     pool size on CPU (as vLLM's VLLM_CPU_KVCACHE_SPACE). enforce_eager: no CUDA graphs.
     dtype: "auto" (the checkpoint's bf16/fp16 on GPU, float32 on CPU), "bfloat16", "float16", "float32".
-    kv_cache_dtype: "auto" (the model dtype). device: "auto" (CUDA when available), "cuda", "cpu".
+    kv_cache_dtype: "auto" (the model dtype), "fp8" or "fp8_e4m3" (float8 e4m3 with a float32
+    scale per token and KV head: twice the tokens in the same memory). device: "auto" (CUDA when available), "cuda", "cpu".
     load_format: "auto", "safetensors", "gguf", "dummy" (random weights). attention_backend: "auto"
     (Triton on CUDA, torch otherwise), "triton", "torch". seed: seeds dummy weights and unseeded
     sampling. tensor_parallel_size: GPUs (or CPU processes) one model is split across.
@@ -47,7 +48,7 @@ class Config:
     request may ask for (vLLM's default 20; -1: no limit). distributed_executor_backend: where data-parallel replicas
     run: "mp" (processes of this host) or "ray" (actors on the Ray cluster, nanovllm/parallel/ray_replicas.py).
 
-    After `create`, model is a local path, dtype a torch.dtype, device a torch.device, load_format,
+    After `create`, model is a local path, dtype and kv_cache_dtype torch.dtypes, device a torch.device, load_format,
     attention_backend and max_model_len concrete, and hf_config, tokenizer and eos_token_ids set.
     """
     model: str
@@ -61,7 +62,7 @@ class Config:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     dtype: str | torch.dtype = "auto"
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str | torch.dtype = "auto"
     device: str | torch.device = "auto"
     load_format: str = "auto"
     attention_backend: str = "auto"
@@ -98,9 +99,11 @@ class Config:
         device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                               else "cpu" if args.device == "auto" else args.device)
         tok = load_tokenizer(path, load_format, hf_config) if with_tokenizer else None
+        dtype = _resolve_dtype(args.dtype, device, hf_config)
+        backend = _resolve_backend(args.attention_backend, device, _head_dim(hf_config))
         return replace(args, model=path, load_format=load_format, hf_config=hf_config, tokenizer=tok, device=device,
-                       dtype=_resolve_dtype(args.dtype, device, hf_config),
-                       attention_backend=_resolve_backend(args.attention_backend, device, _head_dim(hf_config)),
+                       dtype=dtype, kv_cache_dtype=_resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device, backend),
+                       attention_backend=backend,
                        max_model_len=_resolve_max_model_len(args.max_model_len, hf_config),
                        eos_token_ids=_eos_token_ids(hf_config, tok), max_model_len_is_default=args.max_model_len is None,
                        generation_defaults=read_generation_defaults(path, load_format)
@@ -124,8 +127,8 @@ class Config:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.cpu_kvcache_space_gib > 0:
             raise ValueError(f"cpu_kvcache_space_gib must be > 0, got {self.cpu_kvcache_space_gib}")
-        for name, allowed in (("dtype", ("auto", *DTYPES)), ("kv_cache_dtype", KV_CACHE_DTYPES), ("device", DEVICES),
-                              ("load_format", LOAD_FORMATS), ("attention_backend", ATTENTION_BACKENDS),
+        for name, allowed in (("dtype", ("auto", *DTYPES)), ("kv_cache_dtype", ("auto", *KV_CACHE_DTYPES)),
+                              ("device", DEVICES), ("load_format", LOAD_FORMATS), ("attention_backend", ATTENTION_BACKENDS),
                               ("generation_config", ("auto", "vllm")),
                               ("logprobs_mode", ("raw_logprobs", "processed_logprobs")),
                               ("distributed_executor_backend", ("mp", "ray"))):
@@ -155,6 +158,17 @@ def _resolve_dtype(dtype, device: torch.device, hf_config) -> torch.dtype:
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def _resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device, backend: str) -> torch.dtype:
+    """"auto": the model dtype. The Triton kernels convert float8 e4m3 in hardware from compute
+    capability 8.9 (Ada, Hopper) on; older GPUs get a ValueError naming the way out."""
+    if name == "auto":
+        return dtype
+    if device.type == "cuda" and backend == "triton" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"kv_cache_dtype={name!r} needs a GPU of compute capability 8.9 or newer (Ada, Hopper), "
+                         f"this one has {torch.cuda.get_device_capability(device)}; use kv_cache_dtype='auto'")
+    return KV_CACHE_DTYPES[name]
 
 
 def _resolve_backend(name: str, device: torch.device, head_dim: int) -> str:

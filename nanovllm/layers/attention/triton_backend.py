@@ -12,23 +12,30 @@ from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, DECODE_BLOCK_N = 64, 64, 64
 
 
-def _cache_strides(k_cache: torch.Tensor):
-    assert k_cache.stride(3) == 1
-    return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: tuple | None):
+    """(k_cache, v_cache, k_scales, v_scales) and the caches' strides, as the kernels take them;
+    scales (of float8 caches) need contiguous caches (kernels find them at row / head_dim)."""
+    assert k_cache.stride(3) == 1 and v_cache.stride() == k_cache.stride()
+    if kv_scales is None:
+        return (k_cache, v_cache, k_cache, k_cache), (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    assert k_cache.is_contiguous() and all(s.is_contiguous() and s.shape == k_cache.shape[:3] for s in kv_scales)
+    return (k_cache, v_cache, *kv_scales), (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
 
 
 def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale, out=None,
-                      block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, num_warps=4, num_stages=3):
+                      kv_scales=None, block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, num_warps=4, num_stages=3):
     """Causal attention of the packed new tokens q: [T, num_heads, head_dim] (sequence i's at
-    cu_seqlens_q[i]:cu_seqlens_q[i+1], the last ones of its context_lens[i] tokens) over the paged cache."""
+    cu_seqlens_q[i]:cu_seqlens_q[i+1], the last ones of its context_lens[i] tokens) over the paged
+    cache; kv_scales: (k_scales, v_scales) of a float8 cache, else None."""
     out = torch.empty_like(q) if out is None else out
     num_heads, head_dim = q.size(1), q.size(2)
     grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, context_lens.size(0))
+    caches, strides = _cache_args(k_cache, v_cache, kv_scales)
     prefill_attention_kernel[grid](
-        q, k_cache, v_cache, out, cu_seqlens_q, context_lens, block_tables, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
+        q, *caches, out, cu_seqlens_q, context_lens, block_tables, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
         GROUP=num_heads // k_cache.size(2), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.size(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, SCALED=kv_scales is not None, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -51,9 +58,10 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) ->
 
 
 def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num_splits=None, out=None,
-                     block_n=DECODE_BLOCK_N, num_warps=4, num_stages=2):
+                     kv_scales=None, block_n=DECODE_BLOCK_N, num_warps=4, num_stages=2):
     """Attention of one new token per sequence, q: [num_seqs, num_heads, head_dim], over its
-    context_lens[i] cached keys; context length 0 gives zeros (padding rows of CUDA graphs)."""
+    context_lens[i] cached keys; context length 0 gives zeros (padding rows of CUDA graphs).
+    kv_scales: (k_scales, v_scales) of a float8 cache, else None."""
     out = torch.empty_like(q) if out is None else out
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.size(2)
@@ -63,11 +71,12 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num
     if splits > 1:
         acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+    caches, strides = _cache_args(k_cache, v_cache, kv_scales)
     decode_attention_kernel[(num_kv_heads, num_seqs, splits)](
-        q, k_cache, v_cache, out, acc, ml, context_lens, block_tables, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_strides(k_cache), block_tables.stride(0),
+        q, *caches, out, acc, ml, context_lens, block_tables, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.size(1),
-        BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_N=block_n, NUM_SPLITS=splits, SCALED=kv_scales is not None, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         reduce_splits_kernel[(num_seqs, num_heads)](out, acc, ml, out.stride(0), out.stride(1),
                                                     HEAD_DIM=head_dim, NUM_SPLITS=splits)
@@ -85,12 +94,15 @@ class TritonBackend(AttentionBackend):
         weights = (norms[0].weight, norms[1].weight, norms[0].eps) if norms else ()
         i = layer.layer_idx
         qk_norm_rope(meta.positions, q, k, layer.rotary_emb.cos_sin_cache, *weights,
-                     kv_cache=(v, self.k_caches[i], self.v_caches[i], meta.slot_mapping))
+                     kv_cache=(v, self.k_caches[i], self.v_caches[i], self.k_scales[i], self.v_scales[i],
+                               meta.slot_mapping))
         return self.attend(i, q, meta, layer.scale)
 
     def attend(self, layer_idx, q, meta, scale):
-        k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
+        i = layer_idx
+        k_cache, v_cache = self.k_caches[i], self.v_caches[i]
+        scales = None if self.k_scales[i] is None else (self.k_scales[i], self.v_scales[i])
         if meta.is_decode:
-            return decode_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables, scale)
+            return decode_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables, scale, kv_scales=scales)
         return prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-                                 meta.max_seqlen_q, scale)
+                                 meta.max_seqlen_q, scale, kv_scales=scales)

@@ -3,7 +3,10 @@
 Cache layout (as flash-attn's paged KV): k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim];
 a sequence's token t lives in block block_table[t // block_size] at offset t % block_size. Kernels
 gather K/V rows token by token, so any block size works. Softmax uses the online rescaling of
-FlashAttention (Dao et al. 2022) in base 2: exp(x) = exp2(x * log2(e)).
+FlashAttention (Dao et al. 2022) in base 2: exp(x) = exp2(x * log2(e)). A float8 cache (SCALED)
+has a float32 scale per token and KV head, k_scales/v_scales [num_blocks, block_size, num_kv_heads];
+float8 e4m3 values are exact in bf16 and fp16, so K enters the dot product as it is, with its
+scale applied to the scores, and V is scaled into q's dtype before P @ V.
 """
 import triton
 import triton.language as tl
@@ -12,15 +15,22 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_n, in_range, valid, offs_d,
-                 scale_log2, BLOCK_SIZE: tl.constexpr, stride_kb, stride_kt, stride_kh):
+def _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, kv_head, offs_n,
+                 in_range, valid, offs_d, scale_log2, BLOCK_SIZE: tl.constexpr, stride_kb, stride_kt, stride_kh,
+                 HEAD_DIM: tl.constexpr, SCALED: tl.constexpr):
     """Fold one tile of keys (positions offs_n [N], loaded where in_range [N]; `valid` [M, N] says
     which query may see which key) into the running (acc, m, l) of the queries q [M, D]."""
     block = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
     rows = block * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
     k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
     v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k)) * scale_log2
+    if SCALED:  # contiguous caches: a head vector's scale sits at its row / HEAD_DIM
+        k_scale = tl.load(k_scale_ptr + rows // HEAD_DIM, mask=in_range, other=0.0)
+        v_scale = tl.load(v_scale_ptr + rows // HEAD_DIM, mask=in_range, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * (k_scale * scale_log2)[None, :]
+        v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale_log2
     s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
@@ -34,10 +44,11 @@ def _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, off
 # The block-table width changes from step to step: keep it out of Triton's specialisation
 # (on 1 and on multiples of 16), which would otherwise compile new variants mid-run.
 @triton.jit(do_not_specialize=["stride_bt"])
-def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_ptr, context_lens_ptr, block_tables_ptr,
-                             scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh,
-                             stride_bt, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, cu_q_ptr,
+                             context_lens_ptr, block_tables_ptr, scale_log2, stride_qt, stride_qh, stride_ot,
+                             stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, GROUP: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, SCALED: tl.constexpr):
     """Grid (q tiles, num_heads, num_seqs): causal attention of BLOCK_M new tokens of one sequence
     and head over that sequence's cached keys (its earlier tokens and this step's)."""
     pid_m, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -60,19 +71,20 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, cu_q_ptr, c
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_range = offs_n < end
         valid = (offs_n[None, :] <= q_pos[:, None]) & in_range[None, :]
-        acc, m, l = _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, table_ptr, head // GROUP, offs_n, in_range, valid,
-                                 offs_d, scale_log2, BLOCK_SIZE, stride_kb, stride_kt, stride_kh)
+        acc, m, l = _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr,
+                                 head // GROUP, offs_n, in_range, valid, offs_d, scale_log2, BLOCK_SIZE, stride_kb,
+                                 stride_kt, stride_kh, HEAD_DIM, SCALED)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(o_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
-def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, acc_ptr, ml_ptr, context_lens_ptr,
-                            block_tables_ptr, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb,
-                            stride_kt, stride_kh, stride_bt, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                            NUM_SPLITS: tl.constexpr):
+def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, acc_ptr, ml_ptr,
+                            context_lens_ptr, block_tables_ptr, scale_log2, stride_qt, stride_qh, stride_ot,
+                            stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, GROUP: tl.constexpr,
+                            BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                            BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SCALED: tl.constexpr):
     """Grid (num_kv_heads, num_seqs, NUM_SPLITS): one query token per sequence (flash-decoding).
     Heads vary fastest so that the GPU starts every head of the first sequences first: with the
     batch ordered longest context first, that is longest-processing-time-first scheduling.
@@ -97,8 +109,9 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, acc_ptr, ml_
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_range = offs_n < end
         valid = in_range[None, :] & (offs_g < GROUP)[:, None]
-        acc, m, l = _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, offs_n, in_range, valid,
-                                 offs_d, scale_log2, BLOCK_SIZE, stride_kb, stride_kt, stride_kh)
+        acc, m, l = _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr,
+                                 kv_head, offs_n, in_range, valid, offs_d, scale_log2, BLOCK_SIZE, stride_kb,
+                                 stride_kt, stride_kh, HEAD_DIM, SCALED)
     head_mask = offs_g < GROUP
     if NUM_SPLITS == 1:
         o = acc / tl.where(l > 0, l, 1.0)[:, None]
