@@ -18,23 +18,27 @@ class Logprob:
 
 class SampleLogprobs(Sequence):
     """vLLM's SampleLogprobs (and PromptLogprobs): per position, {token id: Logprob} with the
-    sampled (or prompt) token and the top-`logprobs` ones; None for a prompt's first position.
-    A sequence that makes each dict when it is read: a throughput run with logprobs=5 would
-    otherwise build six objects per token that nobody reads (vLLM's FlatLogprobs does the same).
-    rows: per position (token ids, logprobs, ranks) or None; decode: token id -> its text or None.
-    Pickled (across processes) as a plain list of dicts."""
+    sampled (or prompt) token and the top k; None for a prompt's first position. A sequence that
+    makes each dict when it is read: a throughput run with logprobs=5 would otherwise build six
+    objects per token that nobody reads (vLLM's FlatLogprobs does the same). positions: per
+    position None or (arrays, row), arrays the step's (token ids, logprobs, ranks) [rows, 1 + K]
+    (K >= k) and row this position's; decode: token id -> its text or None. Pickled (across
+    processes) as a plain list of dicts."""
 
-    def __init__(self, rows: list, decode: Callable[[int], str | None]):
-        self._rows, self._decode = rows, decode
+    def __init__(self, positions: list, k: int, decode: Callable[[int], str | None]):
+        self._positions, self._k, self._decode = positions, k, decode
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._positions)
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return SampleLogprobs(self._rows[i], self._decode)
-        row = self._rows[i]
-        return None if row is None else {t: Logprob(lp, r, self._decode(t)) for t, lp, r in zip(*row)}
+            return SampleLogprobs(self._positions[i], self._k, self._decode)
+        if self._positions[i] is None:
+            return None
+        arrays, row = self._positions[i]
+        ids, logprobs, ranks = (a[row, :self._k + 1].tolist() for a in arrays)
+        return {t: Logprob(lp, r, self._decode(t)) for t, lp, r in zip(ids, logprobs, ranks)}
 
     def __eq__(self, other) -> bool:
         return isinstance(other, (list, SampleLogprobs)) and list(self) == list(other)

@@ -136,18 +136,21 @@ class LLMEngine(EngineBase):
         report the requests that changed."""
         changed: dict[str, Request] = {}
         tokens = self.model_runner.read_tokens(launched)
-        logprobs = iter(launched.logprobs.tolist() if launched.logprobs is not None else ())
+        # a position's logprobs stay in the step's arrays, (arrays, row), until read (outputs.SampleLogprobs)
+        arrays = launched.logprobs.numpy() if launched.logprobs is not None else None
+        chosen = arrays[1][:, 0].tolist() if arrays is not None else None
+        row = -1  # the step's logprob rows are its sampled rows that asked for logprobs, in order
         requests, eos_token_ids, max_model_len = self.requests, self.config.eos_token_ids, self.config.max_model_len
         for seq, pos, token in zip(launched.seqs, positions, tokens):  # the hot loop: one pass per sampled row
             sp = seq.sampling_params
-            entry = next(logprobs) if sp.logprobs is not None else None
+            row += sp.logprobs is not None
             request = requests.get(seq.request_id)
             if request is None or pos >= len(seq.token_ids):
                 continue  # aborted, or stopped at an earlier token: this one was extra
             seq.token_ids[pos] = token
-            if entry is not None:
-                seq.logprobs.append(first_k(entry, sp.logprobs))
-                seq.cumulative_logprob += entry[1][0]
+            if sp.logprobs is not None:
+                seq.logprobs.append((arrays, row))
+                seq.cumulative_logprob += chosen[row]
             new_text = seq.detokenizer.add(token) if seq.detokenizer else ""
             stop = check_stop(seq, token, eos_token_ids, max_model_len, new_text)
             if stop and stop[0] == "stop":
@@ -173,18 +176,12 @@ class LLMEngine(EngineBase):
     def _add_prompt_logprobs(self, spans: list, logprobs, changed: dict):
         """Append each span's prompt logprobs to its request, once: a prompt recomputed after a
         preemption (or by a completion that could not fork) gives positions already there."""
-        entries = iter(logprobs.tolist())
+        arrays, row = logprobs.numpy(), 0
         for seq, first, count in spans:
-            request, k = self.requests.get(seq.request_id), seq.sampling_params.prompt_logprobs
+            request = self.requests.get(seq.request_id)
             for pos in range(first + 1, first + count + 1):
-                entry = next(entries)
                 if request is not None and pos == len(request.prompt_logprobs):
-                    request.prompt_logprobs.append(first_k(entry, k))
+                    request.prompt_logprobs.append((arrays, row))
+                row += 1
             if request is not None:
                 changed[request.request_id] = request
-
-
-def first_k(entry: tuple, k: int) -> tuple:
-    """A position's (token ids, logprobs, ranks) cut to its token and top k (the step computed the
-    most any row asked for)."""
-    return entry if len(entry[0]) == k + 1 else tuple(x[:k + 1] for x in entry)

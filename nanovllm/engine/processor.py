@@ -19,7 +19,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
-    prompt_logprobs: list | None = None  # [None, then (ids, logprobs, ranks) per prompt token] when asked
+    prompt_logprobs: list | None = None  # [None, then (step arrays, row) per prompt token] when asked
 
     @property
     def finished(self) -> bool:
@@ -138,7 +138,7 @@ class Processor:
             return None
         prompt_lp = request.prompt_logprobs
         if prompt_lp is not None:
-            prompt_lp = self._logprobs(list(prompt_lp), request.params)  # a snapshot: later chunks append
+            prompt_lp = self._logprobs(list(prompt_lp), request.params.prompt_logprobs, request.params)  # a snapshot
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, prompt_lp,
                              completions, request.finished, request.seqs[0].num_cached_tokens)
 
@@ -158,15 +158,16 @@ class Processor:
             text = text[seq.num_reported_chars:]
             seq.num_reported_chars += len(text)
             seq.num_reported_tokens = len(known)
-        logprobs = None if seq.logprobs is None else self._logprobs(seq.logprobs[start:len(known)], params)
+        logprobs = None if seq.logprobs is None else self._logprobs(seq.logprobs[start:len(known)], params.logprobs,
+                                                                    params)
         return CompletionOutput(seq.index, text, known[start:], seq.cumulative_logprob if logprobs is not None else None,
                                 logprobs, seq.finish_reason, seq.stop_reason)
 
-    def _logprobs(self, steps: list, params: SamplingParams) -> SampleLogprobs:
-        """Host (token ids, logprobs, ranks) per position (None for a prompt's first), a list the
-        result keeps, as vLLM's [{token id: Logprob}], each position's dict made when read."""
+    def _logprobs(self, positions: list, k: int, params: SamplingParams) -> SampleLogprobs:
+        """Per position (None for a prompt's first) the step's host arrays and row, a list the
+        result keeps, as vLLM's [{token id: Logprob}] of the token and top k, each dict made when read."""
         decode = self._token_text if params.detokenize and self.tokenizer is not None else _no_text
-        return SampleLogprobs(steps, decode)
+        return SampleLogprobs(positions, k, decode)
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)  # one entry per token id ever read (at most the vocabulary)

@@ -53,9 +53,10 @@ class TokenLogprobs:
         return TokenLogprobs(*(getattr(self, f).to(device, non_blocking=non_blocking)
                                for f in self.__dataclass_fields__))
 
-    def tolist(self) -> list[tuple[list[int], list[float], list[int]]]:
-        """Per row, (token ids, logprobs, ranks), each of 1 + K."""
-        return list(zip(self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()))
+    def numpy(self) -> tuple:
+        """(token_ids, logprobs, ranks) as numpy arrays [R, 1 + K] of host tensors, copied (outputs
+        keep them, and a copy back from the GPU lands in pinned memory, which is scarce)."""
+        return self.token_ids.numpy().copy(), self.logprobs.numpy().copy(), self.ranks.numpy().copy()
 
 
 def topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
