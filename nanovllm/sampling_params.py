@@ -65,7 +65,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # derived by validate(): `stop` as a tuple, and whether anything but temperature and the filters
-    # shapes the sampling (penalties, logit_bias, banned or allowed tokens, min_tokens, logprobs)
+    # shapes the logits (penalties, logit_bias, banned or allowed tokens, min_tokens)
     stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
     needs_processing: bool = field(init=False, repr=False, compare=False, default=False)
 
@@ -120,7 +120,7 @@ class SamplingParams:
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self.needs_processing = bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
                                      or self.logit_bias or self.bad_words or self.allowed_token_ids is not None
-                                     or self.min_tokens or self.logprobs is not None)
+                                     or self.min_tokens)
 
 
 def _is_id(t) -> bool:

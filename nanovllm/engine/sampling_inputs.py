@@ -24,7 +24,7 @@ def sampling_tensors(seqs: list[Sequence], device: torch.device, vocab_size: int
     is hashed from (its seed, its completion length), so it repeats whatever the batch and after
     a preemption. None when every row is plain greedy."""
     params = [seq.sampling_params for seq in seqs]
-    if not any(p.temperature > 0 or p.needs_processing for p in params):
+    if not any(p.temperature > 0 or p.needs_processing or p.logprobs is not None for p in params):
         return None
     st = SamplingTensors()
 
@@ -47,7 +47,11 @@ def sampling_tensors(seqs: list[Sequence], device: torch.device, vocab_size: int
         seeded = [(row, hash((seq.seed, seq.num_completion_tokens)) & 0x7FFFFFFF) for row, (seq, p)
                   in enumerate(zip(seqs, params)) if p.seed is not None and p.temperature > 0]
         st.seeds = (dev([r for r, _ in seeded], torch.int64), dev([s for _, s in seeded], torch.int64)) if seeded else None
-    # the rest only for rows that need more than temperature and filters (none in a plain batch)
+    logprob_rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+    if logprob_rows:
+        st.num_logprobs = max(params[r].logprobs for r in logprob_rows)
+        st.logprob_rows = dev(logprob_rows, torch.int64)
+    # the rest only for rows whose logits are processed (none in a plain batch)
     rows = [(row, seq, p) for row, (seq, p) in enumerate(zip(seqs, params)) if p.needs_processing]
     if not rows:
         return st
@@ -79,8 +83,4 @@ def sampling_tensors(seqs: list[Sequence], device: torch.device, vocab_size: int
             banned += [(row, t) for t in (*(() if p.ignore_eos else eos_token_ids), *(p.stop_token_ids or ()))]
     st.banned = pairs(banned)
     st.allowed = pairs([(row, t) for row, _, p in rows for t in p.allowed_token_ids or ()])
-    logprob_rows = [row for row, _, p in rows if p.logprobs is not None]
-    if logprob_rows:
-        st.num_logprobs = max(params[r].logprobs for r in logprob_rows)
-        st.logprob_rows = dev(logprob_rows, torch.int64)
     return st
