@@ -49,7 +49,7 @@ def _round_to_e4m3(x):
 def _store_heads(cache_ptr, scale_ptr, row, slot, x1, x2, NUM_K_HEADS: tl.constexpr, K_PAD: tl.constexpr,
                  HALF: tl.constexpr, SCALED: tl.constexpr):
     """Write one token's head vectors (halves x1, x2 [K_PAD, HALF]) at cache offsets row; with
-    SCALED, as float8 x / scale with scale = max|x| / 448 per head (quantize_kv's IEEE arithmetic)."""
+    SCALED, as float8 x / scale with scale = max|x| * (1 / 448) per head (quantize_kv's arithmetic)."""
     mask = tl.arange(0, K_PAD)[:, None] < NUM_K_HEADS
     if SCALED:
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
