@@ -33,6 +33,11 @@ class LLM:
         self._lock = threading.Lock()
 
     @property
+    def llm_engine(self) -> EngineBase:
+        """vLLM's name for the engine this LLM owns (`llm.llm_engine`), the same as `engine`."""
+        return self.engine
+
+    @property
     def tokenizer(self):
         """The model's Hugging Face tokenizer, or None when it has none (token-id prompts only)."""
         return self.config.tokenizer

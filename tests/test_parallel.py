@@ -63,7 +63,7 @@ def test_data_parallel_matches_one_replica(tiny_qwen3):
     params = [SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True) for i in range(len(prompts))]
     expected = completions(LLM(tiny_qwen3[0], **ARGS), prompts, params)
     llm = LLM(tiny_qwen3[0], data_parallel_size=2, **ARGS)
-    assert isinstance(llm, LLM) and isinstance(llm.engine, DataParallelEngine)
+    assert isinstance(llm, LLM) and isinstance(llm.engine, DataParallelEngine) and llm.llm_engine is llm.engine
     engine, sent = llm.engine, []
     send = engine._dispatch
 
