@@ -66,7 +66,7 @@ def workload(args):
     return prompts, max_tokens
 
 
-def floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, kv_itemsize, bandwidth, flops,
+def floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, kv_cache_dtype, bandwidth, flops,
                   tp=1, replicas=1, n=1):
     """Roofline lower bound in seconds: per step the larger of bytes / bandwidth and FLOPs / matmul
     rate, summed over the steps of an ideal schedule. One prefill step holds every prompt (weights
@@ -76,10 +76,13 @@ def floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, kv
     plus attention over its context). n completions per prompt each read their prompt's KV, which
     is written and computed once. Each data-parallel replica reads the weights and takes 1 /
     replicas of every step's tokens; tensor parallelism splits a replica's bytes and FLOPs over tp
-    GPUs. bandwidth (bytes/s) and flops (FLOP/s) are one GPU's."""
+    GPUs. bandwidth (bytes/s) and flops (FLOP/s) are one GPU's. kv_cache_dtype: "auto" (bf16 K/V) or
+    an fp8 name (one byte per value and a float32 scale per head vector)."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     layers = hf_config.num_hidden_layers
-    kv_per_token = 2 * layers * hf_config.num_key_value_heads * head_dim * kv_itemsize
+    # bf16, or float8 with a float32 scale per head vector
+    vector_bytes = 2 * head_dim if kv_cache_dtype == "auto" else head_dim + 4
+    kv_per_token = 2 * layers * hf_config.num_key_value_heads * vector_bytes
     attention_flops = 4 * layers * hf_config.num_attention_heads * head_dim  # QK^T and PV per (query, key) pair
 
     def step(kv_bytes, flop):
@@ -278,10 +281,8 @@ def main():
     hf_config = read_hf_config(*resolve_path(args.model, args.load_format))
     param_bytes, matmul_params = weights_read_per_step(hf_config)
     num_gpus = args.tensor_parallel_size * args.data_parallel_size
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    kv_itemsize = 2 if args.kv_cache_dtype == "auto" else 1 + 4 / head_dim  # float8 and a float32 scale per head vector
-    floor = floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, kv_itemsize, bandwidth, flops,
-                          args.tensor_parallel_size, args.data_parallel_size, args.n)
+    floor = floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, args.kv_cache_dtype,
+                          bandwidth, flops, args.tensor_parallel_size, args.data_parallel_size, args.n)
     output_tokens = args.n * sum(max_tokens)
     result = {
         "engine": args.engine, "model": args.model, "device": torch.cuda.get_device_name(),

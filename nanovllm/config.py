@@ -34,7 +34,8 @@ class Config:
     pool size on CPU (as vLLM's VLLM_CPU_KVCACHE_SPACE). enforce_eager: no CUDA graphs.
     dtype: "auto" (the checkpoint's bf16/fp16 on GPU, float32 on CPU), "bfloat16", "float16", "float32".
     kv_cache_dtype: "auto" (the model dtype), "fp8" or "fp8_e4m3" (float8 e4m3 with a float32
-    scale per token and KV head: twice the tokens in the same memory). device: "auto" (CUDA when available), "cuda", "cpu".
+    scale per token and KV head: ~1.9x the tokens in the same memory). device: "auto" (CUDA when
+    available), "cuda", "cpu".
     load_format: "auto", "safetensors", "gguf", "dummy" (random weights). attention_backend: "auto"
     (Triton on CUDA, torch otherwise), "triton", "torch". seed: seeds dummy weights and unseeded
     sampling. tensor_parallel_size: GPUs (or CPU processes) one model is split across.

@@ -61,7 +61,7 @@ class TokenLogprobs:
 
 def topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(logits, k, dim=-1) of logits [N, vocab]: (values [N, k], descending; ids [N, k]
-    int64); on CUDA, for k up to sampling_kernel.MAX_KERNEL_TOPK, by its two-stage chunked_topk
+    int64); on CUDA, for k up to sampling_kernel.MAX_KERNEL_TOPK, by its chunked_topk
     (float32 values; benchmarks/sampler_costs.py measures both)."""
     if logits.is_cuda:
         from nanovllm.layers.sampling_kernel import MAX_KERNEL_TOPK, chunked_topk

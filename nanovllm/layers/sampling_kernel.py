@@ -4,8 +4,8 @@ Gumbel 1954, as used by e.g. Kool et al. 2019). The logits are read once and not
 vocabulary size is written. The uniforms come from a counter-based hash (MurmurHash3's 32-bit
 finaliser over the row's seed and the token index): Philox (tl.rand) made the kernel ALU-bound,
 130 us for 256 x 151,936 logits on an H200. Logprobs: each row's logsumexp and the rank of its
-token, without writing a log-softmax of vocabulary size. Top k (k <= 64): the top k of each
-chunk, then torch.topk over those candidates alone."""
+token, without writing a log-softmax of vocabulary size. Top k (k <= 64): each chunk's entries
+above a per-row threshold, then torch.topk over those candidates alone (chunked_topk)."""
 import torch
 import triton
 import triton.language as tl
