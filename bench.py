@@ -175,24 +175,35 @@ def profile_steps(llm, prompts, params, out_dir, skip):
 
 def step_stats(llm, prompts, params):
     """Run the workload step by step and print where the wall time goes: prefill-carrying steps,
-    and decode steps grouped by batch size, with the KV bytes they read."""
+    and decode steps grouped by batch size, with the KV bytes they read and the time the host
+    waits for the device's sampled tokens (near 0: the host, not the GPU, sets the pace)."""
     engine = llm.engine
     add_requests(engine, prompts, params)
     kv_per_token = engine.model_runner.kv_spec.block_bytes // engine.model_runner.kv_spec.block_size
+    runner, waited = engine.model_runner, [0.0]
+    read_tokens = runner.read_tokens
+
+    def timed_read_tokens(step):  # the time the host waits for the device: ~0 when the host is the bottleneck
+        t = time.perf_counter()
+        tokens = read_tokens(step)
+        waited[0] += time.perf_counter() - t
+        return tokens
+    runner.read_tokens = timed_read_tokens
     rows = {}
     while engine.has_unfinished_requests():
         running = list(engine.scheduler.running)
-        t = time.perf_counter()
+        t, waited[0] = time.perf_counter(), 0.0
         engine.step()
         dt = time.perf_counter() - t
         num_prefill, num_decode = engine.num_prefill_tokens, engine.num_decode_tokens
         key = "prefill" if num_prefill else f"decode bs {min(256, 32 * (1 + (num_decode - 1) // 32))}"
         kv = sum(seq.num_computed_tokens for seq in running) * kv_per_token
-        r = rows.setdefault(key, [0, 0.0, 0])
-        r[0], r[1], r[2] = r[0] + 1, r[1] + dt, r[2] + kv
-    for key, (steps, seconds, kv) in sorted(rows.items()):
+        r = rows.setdefault(key, [0, 0.0, 0, 0.0])
+        r[0], r[1], r[2], r[3] = r[0] + 1, r[1] + dt, r[2] + kv, r[3] + waited[0]
+    del runner.read_tokens
+    for key, (steps, seconds, kv, wait) in sorted(rows.items()):
         print(f"{key:>16}: {steps:5d} steps {seconds:7.3f} s {seconds / steps * 1e3:7.2f} ms/step "
-              f"KV read {kv / max(seconds, 1e-9) / 1e12:5.2f} TB/s")
+              f"(host waits {wait / steps * 1e3:5.2f}) KV read {kv / max(seconds, 1e-9) / 1e12:5.2f} TB/s")
 
 
 def run_transformers(args, prompts, max_tokens):
