@@ -6,8 +6,9 @@ sampling; --n 8 takes 256 / 8 prompts with 8 completions each), ignore_eos, on Q
 weights (the work done does not depend on the weight values). Throughput = output tokens / wall time
 of one generate call after a warm-up. --latency: one sequence, a 128-token prompt and 512 greedy
 tokens, reported in ms per token. --kv-cache-dtype fp8: a float8 KV cache (the floor counts its
-bytes: one per value and a 4-byte scale per head vector). The time LLM(...) takes to start is
-printed too, and the KV cache's size in tokens.
+bytes: one per value and a 4-byte scale per head vector). --quantization fp8: float8 weights in
+the linear layers (the floor counts one byte per weight, and the float8 GEMM's measured rate for
+every FLOP). The time LLM(...) takes to start is printed too, and the KV cache's size in tokens.
 
 The floor is a roofline lower bound (floor_seconds): per step of an ideal schedule, the larger of
 the bytes it must move (weights, KV read and written) at the measured device-to-device bandwidth
@@ -44,16 +45,20 @@ def measure_bandwidth(device) -> float:
     return 2 * n / sorted(times)[len(times) // 2]
 
 
-def measure_matmul_flops(device) -> float:
-    """FLOP/s of an 8192^3 bf16 matrix product on random data."""
+def measure_matmul_flops(device, fp8: bool = False) -> float:
+    """FLOP/s of an 8192^3 bf16 matrix product on random data; fp8: of the float8 product with
+    row-wise scales that quantization="fp8" runs (layers/fp8.py fp8_linear)."""
+    from nanovllm.layers.fp8 import fp8_linear, quantize_fp8
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    w, scale = quantize_fp8(b)
+    product = (lambda: fp8_linear(a, w, scale)) if fp8 else (lambda: a @ b)
     for _ in range(3):
-        a @ b
+        product()
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(10):
-        a @ b
+        product()
     torch.cuda.synchronize()
     return 10 * 2 * 8192**3 / (time.perf_counter() - t)
 
@@ -98,14 +103,21 @@ def floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, kv
     return total
 
 
-def weights_read_per_step(hf_config) -> tuple[int, int]:
-    """(bytes, matmul parameters) of the weights a forward reads in full, in bf16: all but an
-    untied input embedding, of which a step gathers a few rows (a tied one is the LM head)."""
+def weights_read_per_step(hf_config, quantization: str | None = None) -> tuple[int, int]:
+    """(bytes, matmul parameters) of the weights a forward reads in full: all but an untied input
+    embedding, of which a step gathers a few rows (a tied one is the LM head); bf16, or with
+    quantization="fp8" the linear layers' weights one byte each plus a float32 scale per row."""
+    from nanovllm.layers.linear import LinearBase
     with torch.device("meta"):
         model = model_class(hf_config)(hf_config)
     skip = set() if model.tie_word_embeddings else {id(model.model.embed_tokens.weight)}
+    if quantization == "fp8":
+        fp8 = {id(m.weight): m.weight.size(0) for m in model.modules() if isinstance(m, LinearBase)}
+    else:
+        fp8 = {}
     params = [t for t in {id(t): t for t in model.parameters()}.values() if id(t) not in skip]
-    return sum(t.numel() for t in params) * 2, sum(t.numel() for t in params if t.dim() == 2)
+    nbytes = sum(t.numel() + 4 * fp8[id(t)] if id(t) in fp8 else 2 * t.numel() for t in params)
+    return nbytes, sum(t.numel() for t in params if t.dim() == 2)
 
 
 def run_nanovllm(args, prompts, max_tokens):
@@ -114,7 +126,8 @@ def run_nanovllm(args, prompts, max_tokens):
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
                        kvcache_block_size=args.kvcache_block_size, tensor_parallel_size=args.tensor_parallel_size,
-                       data_parallel_size=args.data_parallel_size, kv_cache_dtype=args.kv_cache_dtype)
+                       data_parallel_size=args.data_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
+                       quantization=args.quantization)
     t = time.perf_counter()
     llm = LLM(args.model, **engine_args)
     startup = time.perf_counter() - t
@@ -252,6 +265,7 @@ def main():
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights (and GEMMs)")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     p.add_argument("--data-parallel-size", "--dp", type=int, default=1)
     p.add_argument("--hf-batch-size", type=int, default=64)
@@ -276,8 +290,8 @@ def main():
         args.num_seqs, args.temperature = 1, 0.0
         args.min_input_len = args.max_input_len = 128
         args.min_output_len = args.max_output_len = 512
-    if (args.n > 1 or args.kv_cache_dtype != "auto") and args.engine != "nanovllm":
-        p.error("--n and --kv-cache-dtype are for --engine nanovllm")
+    if (args.n > 1 or args.kv_cache_dtype != "auto" or args.quantization) and args.engine != "nanovllm":
+        p.error("--n, --kv-cache-dtype and --quantization are for --engine nanovllm")
     if args.data_parallel_size > 1 and (args.profile or args.step_stats):
         p.error("--profile and --step-stats look inside one engine: use them with --data-parallel-size 1")
     if not torch.cuda.is_available():
@@ -285,12 +299,12 @@ def main():
 
     prompts, max_tokens = workload(args)
     prompts, max_tokens = prompts[:len(prompts) // args.n], max_tokens[:len(prompts) // args.n]  # n samples each
-    bandwidth, flops = measure_bandwidth("cuda"), measure_matmul_flops("cuda")
+    bandwidth, flops = measure_bandwidth("cuda"), measure_matmul_flops("cuda", fp8=args.quantization == "fp8")
     torch.cuda.empty_cache()  # leave GPU 0 to the engine
     run = run_nanovllm if args.engine == "nanovllm" else run_transformers
     seconds, details = run(args, prompts, max_tokens)
     hf_config = read_hf_config(*resolve_path(args.model, args.load_format))
-    param_bytes, matmul_params = weights_read_per_step(hf_config)
+    param_bytes, matmul_params = weights_read_per_step(hf_config, args.quantization)
     num_gpus = args.tensor_parallel_size * args.data_parallel_size
     floor = floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, args.kv_cache_dtype,
                           bandwidth, flops, args.tensor_parallel_size, args.data_parallel_size, args.n)
@@ -298,7 +312,7 @@ def main():
     result = {
         "engine": args.engine, "model": args.model, "device": torch.cuda.get_device_name(),
         "tensor_parallel_size": args.tensor_parallel_size, "data_parallel_size": args.data_parallel_size,
-        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization,
         "num_seqs": len(prompts) * args.n, "n": args.n, "prompt_tokens": sum(map(len, prompts)), "output_tokens": output_tokens,
         "seconds": round(seconds, 3), "tokens_per_s": round(output_tokens / seconds, 1),
         "bandwidth_tb_s": round(bandwidth / 1e12, 3), "matmul_tflop_s": round(flops / 1e12, 1),

@@ -8,14 +8,14 @@ import torch
 from triton.testing import do_bench
 
 from bench import measure_bandwidth
-from nanovllm.layers.attention.base import quantize_kv
+from nanovllm.layers.fp8 import quantize_fp8
 from nanovllm.layers.attention.triton_backend import decode_attention
 
 
 def to_fp8(k, v):
     """(k, v, kv_scales) of bf16 caches [num_blocks, block_size, num_kv_heads, head_dim] in float8."""
     shape = k.shape
-    (k, k_scales), (v, v_scales) = (quantize_kv(x.view(-1, *shape[2:]), torch.float8_e4m3fn) for x in (k, v))
+    (k, k_scales), (v, v_scales) = (quantize_fp8(x.view(-1, *shape[2:]), torch.float8_e4m3fn) for x in (k, v))
     return k.view(shape), v.view(shape), (k_scales.view(shape[:3]), v_scales.view(shape[:3]))
 
 

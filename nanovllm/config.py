@@ -34,8 +34,10 @@ class Config:
     pool size on CPU (as vLLM's VLLM_CPU_KVCACHE_SPACE). enforce_eager: no CUDA graphs.
     dtype: "auto" (the checkpoint's bf16/fp16 on GPU, float32 on CPU), "bfloat16", "float16", "float32".
     kv_cache_dtype: "auto" (the model dtype), "fp8" or "fp8_e4m3" (float8 e4m3 with a float32
-    scale per token and KV head: ~1.9x the tokens in the same memory). device: "auto" (CUDA when
-    available), "cuda", "cpu".
+    scale per token and KV head: ~1.9x the tokens in the same memory). quantization: None, or "fp8"
+    (the linear layers' weights in float8 e4m3 with a scale per output channel, activations
+    quantized per token; the default for a checkpoint whose quantization_config says fp8). device:
+    "auto" (CUDA when available), "cuda", "cpu".
     load_format: "auto", "safetensors", "gguf", "dummy" (random weights). attention_backend: "auto"
     (Triton on CUDA, torch otherwise), "triton", "torch". seed: seeds dummy weights and unseeded
     sampling. tensor_parallel_size: GPUs (or CPU processes) one model is split across.
@@ -64,6 +66,7 @@ class Config:
     enforce_eager: bool = False
     dtype: str | torch.dtype = "auto"
     kv_cache_dtype: str | torch.dtype = "auto"
+    quantization: str | None = None
     device: str | torch.device = "auto"
     load_format: str = "auto"
     attention_backend: str = "auto"
@@ -104,6 +107,7 @@ class Config:
         backend = _resolve_backend(args.attention_backend, device, _head_dim(hf_config))
         return replace(args, model=path, load_format=load_format, hf_config=hf_config, tokenizer=tok, device=device,
                        dtype=dtype, kv_cache_dtype=_resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device, backend),
+                       quantization=_resolve_quantization(args.quantization, hf_config, device),
                        attention_backend=backend,
                        max_model_len=_resolve_max_model_len(args.max_model_len, hf_config),
                        eos_token_ids=_eos_token_ids(hf_config, tok), max_model_len_is_default=args.max_model_len is None,
@@ -130,7 +134,7 @@ class Config:
             raise ValueError(f"cpu_kvcache_space_gib must be > 0, got {self.cpu_kvcache_space_gib}")
         for name, allowed in (("dtype", ("auto", *DTYPES)), ("kv_cache_dtype", ("auto", *KV_CACHE_DTYPES)),
                               ("device", DEVICES), ("load_format", LOAD_FORMATS), ("attention_backend", ATTENTION_BACKENDS),
-                              ("generation_config", ("auto", "vllm")),
+                              ("generation_config", ("auto", "vllm")), ("quantization", (None, "fp8")),
                               ("logprobs_mode", ("raw_logprobs", "processed_logprobs")),
                               ("distributed_executor_backend", ("mp", "ray"))):
             if getattr(self, name) not in allowed:
@@ -170,6 +174,23 @@ def _resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device,
         raise ValueError(f"kv_cache_dtype={name!r} needs a GPU of compute capability 8.9 or newer (Ada, Hopper), "
                          f"this one has {torch.cuda.get_device_capability(device)}; use kv_cache_dtype='auto'")
     return KV_CACHE_DTYPES[name]
+
+
+def _resolve_quantization(name: str | None, hf_config, device: torch.device) -> str | None:
+    """None (weights in the model dtype) or "fp8": asked for, or named by the checkpoint's
+    quantization_config (quant_method "fp8", e.g. Qwen3-*-FP8: loaded dequantized, then quantized
+    per channel, layers/fp8.py). ValueError for another checkpoint quantization, and on a GPU
+    without float8 matrix cores (before compute capability 8.9)."""
+    qc = getattr(hf_config, "quantization_config", None) or {}
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    if method not in (None, "fp8"):
+        raise ValueError(f"the checkpoint is quantized with {method!r}; nanovllm loads unquantized and fp8 "
+                         f"checkpoints only")
+    name = name or method
+    if name and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"quantization={name!r} needs a GPU of compute capability 8.9 or newer (Ada, Hopper), "
+                         f"this one has {torch.cuda.get_device_capability(device)}; use an unquantized checkpoint")
+    return name
 
 
 def _resolve_backend(name: str, device: torch.device, head_dim: int) -> str:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from nanovllm.layers.attention.base import AttentionMetadata, quantize_kv  # noqa: E402
+from nanovllm.layers.attention.base import AttentionMetadata  # noqa: E402
+from nanovllm.layers.fp8 import quantize_fp8  # noqa: E402
 from nanovllm.layers.attention.torch_backend import paged_attention_reference  # noqa: E402
 from nanovllm.layers.attention.triton_backend import decode_attention, prefill_attention  # noqa: E402
 
@@ -40,7 +41,7 @@ def make_cache(context_lens, block_size, num_kv_heads, head_dim, dtype, gen, fp8
     if not fp8:
         return k, v, tables.to(DEVICE), None
     magnitudes = torch.rand(shape[:3] + (1,), generator=gen).to(DEVICE) * 4 + 0.01
-    (k, k_scales), (v, v_scales) = (quantize_kv((x * magnitudes).view(-1, *shape[2:]), torch.float8_e4m3fn)
+    (k, k_scales), (v, v_scales) = (quantize_fp8((x * magnitudes).view(-1, *shape[2:]), torch.float8_e4m3fn)
                                     for x in (k, v))
     return k.view(shape), v.view(shape), tables.to(DEVICE), (k_scales.view(shape[:3]), v_scales.view(shape[:3]))
 

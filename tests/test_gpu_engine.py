@@ -1,6 +1,6 @@
 """GPU engine checks (skipped without CUDA): Qwen3-0.6B's shape with random bf16 weights against
 transformers' greedy tokens, with CUDA graphs on and off, prefix hits and chunked prefill; the
-Triton and torch attention backends agree; the float8 KV cache through the same paths."""
+Triton and torch attention backends agree; the float8 KV cache and float8 weights through the same paths."""
 import pytest
 import torch
 
@@ -151,3 +151,52 @@ def test_fp8_kv_cache_on_the_gpu(qwen3_06b):
     print(f"fp8 KV: {equal}/{len(ps)} sequences equal the torch backend's; largest gap to the float32 argmax "
           f"{max(gaps):.3f}")
     assert equal >= len(ps) // 2 and max(gaps) < 0.5, (equal, gaps)
+
+
+@pytest.mark.parametrize("m", [1, 7, 256, 1000])
+def test_fp8_linear_on_the_gpu(m):
+    """torch._scaled_mm with row-wise scales (fp8_linear on CUDA) at Qwen3-0.6B's gate_up shape:
+    equal to the same quantized operands multiplied in float64 (to the bf16 output's rounding),
+    and within e4m3's error bound of the unquantized product (test_fp8_weights._bound)."""
+    from nanovllm.layers.fp8 import fp8_linear, quantize_fp8
+    from tests.test_fp8_weights import _bound
+    g = torch.Generator("cuda").manual_seed(m)
+    x = (torch.randn(m, 1024, device="cuda", generator=g) * torch.logspace(-2, 1, 1024, device="cuda")).bfloat16()
+    w = torch.randn(6144, 1024, device="cuda", generator=g, dtype=torch.float64) * 0.02
+    qw, sw = quantize_fp8(w)
+    y = torch.full((m, 6144), float("nan"), device="cuda", dtype=torch.bfloat16)
+    y.copy_(fp8_linear(x, qw, sw))
+    qx, sx = quantize_fp8(x)
+    same = (qx.double() * sx.double()[:, None]) @ (qw.double() * sw.double()[:, None]).t()
+    assert torch.allclose(y.double(), same, rtol=2**-8, atol=2**-8 * same.abs().max().item())
+    exact = x.double() @ w.t()
+    assert ((y.double() - exact).abs() <= _bound(x.double(), sx.double(), w, sw.double()) + 2**-8 * exact.abs()).all()
+
+
+def test_fp8_weights_on_the_gpu(qwen3_06b):
+    """quantization="fp8" with CUDA graphs, chunked prefill and prefix hits against the same
+    engine eager (one path of fp8 GEMMs either way): most sequences equal token for token, and
+    every token close to the float32 model's argmax (wrong scales or a transposed operand give
+    arbitrary tokens, logits below it)."""
+    import gc
+
+    from nanovllm import LLM, SamplingParams
+    path, _, exact_model = qwen3_06b
+    ps = prompts()
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    runs = []
+    for args in (dict(kvcache_block_size=16, max_num_batched_tokens=512), dict(enforce_eager=True)):
+        llm = LLM(path, max_model_len=2048, gpu_memory_utilization=0.5, quantization="fp8", **args)
+        assert llm.engine.model_runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+        llm.generate(ps[-3:-2], params, use_tqdm=False)
+        runs.append(llm.generate(ps, params, use_tqdm=False))
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    equal = sum(a.token_ids == b.token_ids for a, b in zip(*runs))
+    gaps = []
+    for p, o in zip(ps, runs[0]):
+        true = logits(exact_model, p + o.token_ids)[len(p) - 1:-1]
+        gaps.append((true.amax(-1) - true.gather(1, torch.tensor(o.token_ids, device="cuda")[:, None])[:, 0]).max().item())
+    print(f"fp8 weights: {equal}/{len(ps)} sequences equal eager's; largest gap to the float32 argmax {max(gaps):.3f}")
+    assert equal >= len(ps) // 2 and max(gaps) < 1.0, (equal, gaps)

@@ -3,7 +3,7 @@
 Layout: [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim], one tensor, so
 a block is the same slot range in every layer; the attention backend gets it with bind_kv_cache.
 A float8 cache (kv_cache_dtype="fp8") has beside it one float32 scale per stored head vector
-(layers/attention/base.py quantize_kv says why per token and head).
+(layers/attention/base.py store_kv says why per token and head).
 """
 from collections.abc import Callable
 from dataclasses import dataclass

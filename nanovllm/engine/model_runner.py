@@ -16,6 +16,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.sampling_inputs import sampling_tensors
 from nanovllm.engine.step_inputs import Stager, StepPlan, plan_step
 from nanovllm.layers.attention import Attention, make_backend
+from nanovllm.layers.linear import quantize_weights
 from nanovllm.layers.sampler import Sampler, SamplingTensors, TokenLogprobs, token_logprobs
 from nanovllm.loader.source import iter_weights
 from nanovllm.loader.weights import dummy_weights, load_weights
@@ -94,6 +95,10 @@ class ModelRunner:
         weights = dummy_weights(cls, self.hf_config, cfg.seed, self.device, self.dtype) if cfg.load_format == "dummy" \
             else iter_weights(cfg.model, cfg.load_format, self.hf_config)
         load_weights(model, weights)
+        if cfg.quantization == "fp8":
+            quantize_weights(model)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the model-dtype weights' memory, for the KV cache
         return model
 
     def _check_weights_fit(self, cls, tp: TensorParallel):

@@ -9,14 +9,15 @@ checkpoint tensors and no rank ever holds more than its shard.
 """
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.fp8 import linear, quantize_fp8
 from nanovllm.parallel.state import TensorParallel
 
 
 class LinearBase(nn.Module):
-    """y = x W^T + b with W: [output_size, input_size]; `tp_dim` is the dim that is sharded (None: replicated)."""
+    """y = x W^T + b with W: [output_size, input_size]; `tp_dim` is the dim that is sharded (None:
+    replicated). After quantize_weight (quantization="fp8"), W is float8 with weight_scale [output_size]."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None, tp: TensorParallel):
         super().__init__()
@@ -24,6 +25,7 @@ class LinearBase(nn.Module):
         self.tp_dim = tp_dim
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.weight.weight_loader = self.weight_loader
+        self.register_buffer("weight_scale", None)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))
@@ -36,7 +38,21 @@ class LinearBase(nn.Module):
         _copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.weight_scale, self.bias)
+
+    @torch.no_grad()
+    def quantize_weight(self):
+        """Keep the loaded weight as float8 e4m3 with one scale per output channel (layers/fp8.py)."""
+        weight, self.weight_scale = quantize_fp8(self.weight)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+
+def quantize_weights(model: nn.Module):
+    """quantization="fp8": every linear layer's weight to float8 (embeddings, LM head and norms
+    stay in the model dtype)."""
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.quantize_weight()
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor):
@@ -95,7 +111,7 @@ class RowParallelLinear(LinearBase):
         super().__init__(input_size // tp.size, output_size, bias, 1, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.weight_scale, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

@@ -1,8 +1,8 @@
 """One Triton pass over each token's q and k heads, in place: optional per-head RMSNorm (Qwen3's
 q_norm/k_norm) then rotary embedding in the rotate-half layout, and optionally the token's k and
-v written into the paged KV cache (a float8 cache with its scales, as attention/base.py
-quantize_kv computes them). Replaces six kernels (two norms, two rotations, the cache store) that
-each read and wrote q, k or v."""
+v written into the paged KV cache (a float8 cache with its scales, as layers/fp8.py quantize_fp8
+computes them). Replaces six kernels (two norms, two rotations, the cache store) that each read
+and wrote q, k or v."""
 import torch
 import triton
 import triton.language as tl
@@ -49,7 +49,7 @@ def _round_to_e4m3(x):
 def _store_heads(cache_ptr, scale_ptr, row, slot, x1, x2, NUM_K_HEADS: tl.constexpr, K_PAD: tl.constexpr,
                  HALF: tl.constexpr, SCALED: tl.constexpr):
     """Write one token's head vectors (halves x1, x2 [K_PAD, HALF]) at cache offsets row; with
-    SCALED, as float8 x / scale with scale = max|x| * (1 / 448) per head (quantize_kv's arithmetic)."""
+    SCALED, as float8 x / scale with scale = max|x| * (1 / 448) per head (quantize_fp8's arithmetic)."""
     mask = tl.arange(0, K_PAD)[:, None] < NUM_K_HEADS
     if SCALED:
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)

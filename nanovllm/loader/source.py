@@ -10,7 +10,11 @@ import json
 import os
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+
+from nanovllm.layers.fp8 import dequantize_blocks
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "models" / "configs"
@@ -90,23 +94,58 @@ def read_generation_defaults(path: str, load_format: str) -> dict:
 
 def iter_weights(path: str, load_format: str, hf_config: PretrainedConfig):
     """(Hugging Face name, tensor) pairs of the checkpoint at `path` ("safetensors" or "gguf";
-    a GGUF's tensor names come from transformers' mapping for `hf_config`).
-    Raises ValueError naming an unreadable file."""
+    a GGUF's tensor names come from transformers' mapping for `hf_config`). Float8 weights of an
+    fp8 checkpoint come out dequantized to float32, without their scale tensors. Raises ValueError
+    naming an unreadable file or a float8 tensor without a scale."""
     if load_format == "gguf":
         yield from _iter_gguf(path, hf_config)
         return
-    from safetensors import safe_open
-    for file in safetensors_files(path):
+    files = safetensors_files(path)
+    quantization = getattr(hf_config, "quantization_config", None) or {}
+    block = quantization.get("weight_block_size") if isinstance(quantization, dict) else \
+        getattr(quantization, "weight_block_size", None)
+    where = {}  # tensor name -> its file, for the scales of float8 weights
+    for file in files:
         try:
             with safe_open(file, "pt", "cpu") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+                where.update(dict.fromkeys(f.keys(), file))
         except Exception as e:  # safetensors raises its own error types for corrupt files
             raise ValueError(f"cannot read weights file {file}: {e}") from None
+    for file in files:
+        with safe_open(file, "pt", "cpu") as f:
+            for name in f.keys():
+                if name.endswith(FP8_SCALES):
+                    continue  # read with their weights; activations get scales of their own (layers/fp8.py)
+                tensor = f.get_tensor(name)
+                yield name, _dequantized(name, tensor, where, block) if tensor.dtype == torch.float8_e4m3fn else tensor
+
+
+FP8_SCALES = (".weight_scale_inv", ".weight_scale", ".input_scale")  # the tensors of fp8 checkpoints beside weights
+
+
+def _dequantized(name: str, weight: torch.Tensor, where: dict, block: list | None) -> torch.Tensor:
+    """A float8 checkpoint weight in float32: times its `weight_scale_inv` (per block of
+    quantization_config.weight_block_size: Qwen's and DeepSeek's fp8 format) or `weight_scale`
+    (per tensor or per output channel). ValueError when it has neither, or block scales and no
+    block size."""
+    base = name.removesuffix(".weight")
+    for suffix in ("weight_scale_inv", "weight_scale"):
+        if f"{base}.{suffix}" in where:
+            with safe_open(where[f"{base}.{suffix}"], "pt", "cpu") as f:
+                scale = f.get_tensor(f"{base}.{suffix}").float()
+            if scale.dim() == 2 and scale.size(1) > 1:
+                if not block:
+                    raise ValueError(f"checkpoint tensor {name!r} has block scales, but quantization_config has "
+                                     f"no weight_block_size")
+                try:
+                    return dequantize_blocks(weight, scale, tuple(block))
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+            return weight.float() * scale.reshape(-1, 1)
+    raise ValueError(f"checkpoint tensor {name!r} is float8 but has no {base}.weight_scale_inv or .weight_scale")
 
 
 def _iter_gguf(file: str, hf_config):
-    import torch
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     with torch.device("meta"):  # only the module names are needed to map GGUF tensors

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.layers.fp8 import quantize_fp8
+
 
 @dataclass
 class AttentionMetadata:
@@ -28,21 +30,6 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_seqlen_q: int
     is_decode: bool
-
-
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448, the largest finite e4m3 value (OCP FP8 spec, 2023)
-
-
-def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [T, num_kv_heads, head_dim] -> (x / scale in float8 `dtype`, scale [T, num_kv_heads]
-    float32), scale = max|x| * (1 / 448) over each head vector (at least 1e-30 / 448, so zeros stay
-    0; a product, as torch on CUDA computes a division by a number, so the Triton store can match it).
-    A scale per token and head needs no calibration data and cannot saturate, whatever the model's
-    range of K (Qwen2's k_proj bias shifts it), for 4 bytes per 128-byte vector; static per-layer
-    scales would need calibrated checkpoints, which the models we load do not carry."""
-    xf = x.float()
-    scale = xf.abs().amax(-1).clamp_min(1e-30) * (1 / FP8_MAX)
-    return (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(dtype), scale
 
 
 class AttentionBackend:
@@ -83,14 +70,16 @@ class AttentionBackend:
 
     def store_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor):
         """Scatter k, v: [T, num_kv_heads, head_dim] into layer `layer_idx`'s cache at the flat slots
-        slot_mapping [T]; slot -1 is skipped. A float8 cache gets quantize_kv's values and scales."""
+        slot_mapping [T]; slot -1 is skipped. A float8 cache gets quantize_fp8's values and
+        scales, one per token and head: no calibration data needed, and no saturation whatever the
+        model's range of K (Qwen2's k_proj bias shifts it), for 4 bytes per 128-byte vector."""
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
         for x, cache, scales in ((k, self.k_caches[layer_idx], self.k_scales[layer_idx]),
                                  (v, self.v_caches[layer_idx], self.v_scales[layer_idx])):
             x = x[keep]
             if scales is not None:
-                x, scale = quantize_kv(x, cache.dtype)
+                x, scale = quantize_fp8(x, cache.dtype)
                 scales.view(-1, x.size(1))[slots] = scale
             cache.view(-1, *x.shape[1:])[slots] = x.to(cache.dtype)
 

@@ -1,0 +1,60 @@
+"""Float8 e4m3 (OCP FP8 spec, 2023): the quantizer the KV cache and the linear layers share, and
+the FP8 linear layer's math (quantization="fp8", vLLM's name).
+
+Weights get one scale per output channel, activations one per token, both computed from the
+data (max|x| / 448), so nothing needs calibration. A checkpoint quantized in 128 x 128 blocks
+(Qwen3-*-FP8, `weight_scale_inv`) is dequantized at load (dequantize_blocks) and quantized again
+per channel: one GEMM shape for every checkpoint; on the GPU torch._scaled_mm with row-wise
+scales (cuBLASLt), elsewhere the same math on dequantized float32 values.
+"""
+import torch
+import torch.nn.functional as F
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448, the largest finite e4m3 value
+
+
+def quantize_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., n] -> (x / scale as float8 `dtype` [..., n], scale [...] float32), one scale per
+    vector along the last dim: scale = max|x| * (1 / 448) (at least 1e-30 / 448, so zeros stay 0;
+    a product, as torch on CUDA computes a division by a number, so Triton kernels can match it)."""
+    xf = x.float()
+    scale = xf.abs().amax(-1).clamp_min(1e-30) * (1 / FP8_MAX)
+    return (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(dtype), scale
+
+
+def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """A block-quantized checkpoint weight in float32: weight [out, in] float8, scale_inv
+    [ceil(out / b0), ceil(in / b1)] float32, one multiplier per block of block = (b0, b1)
+    (quantization_config.weight_block_size, [128, 128] in Qwen's FP8 checkpoints), the last ones
+    partial. Raises ValueError when scale_inv does not have that grid's shape."""
+    (out, inp), (b0, b1) = weight.shape, block
+    if tuple(scale_inv.shape) != (-(-out // b0), -(-inp // b1)):
+        raise ValueError(f"a weight of shape {tuple(weight.shape)} in blocks of {b0} x {b1} needs scales of shape "
+                         f"{(-(-out // b0), -(-inp // b1))}, got {tuple(scale_inv.shape)}")
+    scale = scale_inv.float().repeat_interleave(b0, 0)[:out].repeat_interleave(b1, 1)[:, :inp]
+    return weight.float() * scale
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b with W stored as float8: x [..., in] (the model dtype), weight [out, in]
+    float8 e4m3, weight_scale [out] float32 (W = weight * weight_scale per row). x is quantized
+    per token (quantize_fp8), so y = (q_x q_W^T) * s_x s_W^T. On CUDA one torch._scaled_mm
+    (in, out multiples of 16; compute capability 8.9+, checked by the config); elsewhere the same
+    quantized values multiplied in float32. Returns [..., out] in x's dtype."""
+    shape = x.shape
+    qx, sx = quantize_fp8(x.reshape(-1, shape[-1]))
+    if x.is_cuda:
+        # row-wise scales need a bf16 output (cuBLASLt); a float16 model converts it
+        y = torch._scaled_mm(qx, weight.t(), scale_a=sx.unsqueeze(1), scale_b=weight_scale.unsqueeze(0),
+                             out_dtype=torch.bfloat16).to(x.dtype)
+    else:
+        y = ((qx.float() * sx.unsqueeze(1)) @ (weight.float() * weight_scale.unsqueeze(1)).t()).to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*shape[:-1], -1)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, bias: torch.Tensor | None):
+    """F.linear, or fp8_linear when the weight is float8 (weight_scale given)."""
+    return F.linear(x, weight, bias) if weight_scale is None else fp8_linear(x, weight, weight_scale, bias)
