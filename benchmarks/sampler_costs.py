@@ -26,7 +26,9 @@ def main():
                                                             top_p=torch.full((n,), 0.95, device=dev)),
         "top_k 20, 1 in 8 rows seeded": SamplingTensors(temps, top_k=torch.full((n,), 20, device=dev), max_top_k=20,
                                                         seeds=seeded),
-        "top_p 0.95 (sorted path)": SamplingTensors(temps, top_p=torch.full((n,), 0.95, device=dev)),
+        "top_p 0.95 (nucleus kernel)": SamplingTensors(temps, top_p=torch.full((n,), 0.95, device=dev)),
+        "top_p 0.9 min_p 0.05 (nucleus kernel)": SamplingTensors(temps, top_p=torch.full((n,), 0.9, device=dev),
+                                                                 min_p=torch.full((n,), 0.05, device=dev)),
     }
     sampler, tokens = Sampler(seed=0), logits.argmax(-1)
     print(f"{n} x {args.vocab} bf16 logits; one read of them: {logits.numel() * 2 / 3e12 * 1e6:.0f} us at 3 TB/s")

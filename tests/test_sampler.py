@@ -205,3 +205,36 @@ def test_chunked_topk_kernel(k, vocab):
         assert all(len(set(r)) == k for r in ids.tolist())
     with pytest.raises(ValueError, match="k=65"):
         chunked_topk(x.to(device), 65)
+
+
+def test_nucleus_kernel_draws_what_the_sorted_path_draws():
+    """The nucleus kernel (top_p and/or min_p without sorting; Triton's interpreter without CUDA):
+    seeded rows draw the sorted path's very token (the same noise, argmax over the same set),
+    greedy rows the argmax; unseeded, the frequencies follow the renormalised nucleus."""
+    pytest.importorskip("triton")
+    from nanovllm.layers.sampling_kernel import nucleus_sample
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = logits(n=5, vocab=2999, seed=9).to(device)  # the last block partial
+    temps = torch.tensor([0.7, 1.3, 0.0, 1.0, 2.0], device=device)
+    top_p = torch.tensor([0.9, 0.6, 1.0, 0.95, 0.3], device=device)
+    min_p = torch.tensor([0.0, 0.05, 0.0, 0.01, 0.0], device=device)
+    for trial in range(25):
+        values = [trial * 10 + r for r in range(5)]
+        seeded = tuple(t.to(device) for t in seeds(list(range(5)), values))
+        for kwargs in (dict(top_p=top_p), dict(min_p=min_p), dict(top_p=top_p, min_p=min_p)):
+            slow = sample(Sampler(), x.cpu(), temps.cpu(), seeds=tuple(t.cpu() for t in seeded),
+                          **{k: v.cpu() for k, v in kwargs.items()})
+            fast = nucleus_sample(x, temps, kwargs.get("top_p"), kwargs.get("min_p"),
+                                  torch.tensor(values, dtype=torch.int32, device=device))
+            assert torch.equal(fast.cpu(), slow), (trial, kwargs, fast, slow)
+            assert fast[2] == x[2].argmax()
+    n = 600 if device == "cpu" else 100000  # the interpreter runs one program per row
+    row = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5])
+    p = row.softmax(-1)  # top_p 0.8 keeps 2.0, 1.0 and 0.5 (more probable mass before 0.5: 0.71)
+    counts = torch.bincount(nucleus_sample(row.repeat(n, 1).to(device), torch.ones(n, device=device),
+                                           torch.full((n,), 0.8, device=device), None,
+                                           torch.randint(0, 2**31 - 1, (n,), dtype=torch.int32).to(device)).cpu(),
+                            minlength=5).float() / n
+    expected = torch.zeros(5)
+    expected[[0, 1, 4]] = p[[0, 1, 4]] / p[[0, 1, 4]].sum()
+    assert (counts - expected).abs().max() < 4 * (0.25 / n) ** 0.5, counts

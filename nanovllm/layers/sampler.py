@@ -119,9 +119,11 @@ class Sampler(nn.Module):
     tokens (Gumbel 1954); G = -log(E), E ~ Exp(1) from the engine's generator, except in seeded
     rows, whose G is a hash of (seed, token id) (gumbel_noise), so they repeat whatever else is in
     the batch. On CUDA, a batch with temperatures alone is sampled in one pass by the Gumbel-max
-    kernel (sampling_kernel.py), with the same hash in seeded rows. Logprobs are the log-softmax of
-    the raw logits (logprobs_mode "raw_logprobs") or of the logits the token was drawn from
-    ("processed_logprobs": after the processors, temperature and filters).
+    kernel (sampling_kernel.py), with the same hash in seeded rows; with top_p and/or min_p (and
+    no top_k) by the nucleus kernel, which draws the sorted path's token without sorting.
+    Logprobs are the log-softmax of the raw logits (logprobs_mode "raw_logprobs") or of the
+    logits the token was drawn from ("processed_logprobs": after the processors, temperature and
+    filters).
     """
 
     def __init__(self, seed: int | None = None, logprobs_mode: str = "raw_logprobs"):
@@ -142,11 +144,11 @@ class Sampler(nn.Module):
         elif logits.is_cuda and not processed and st.top_k is None and st.top_p is None and st.min_p is None \
                 and not need_final:
             from nanovllm.layers.sampling_kernel import gumbel_max_sample
-            gen = self._default_generator(logits.device)
-            seeds = torch.randint(0, 2**31 - 1, (logits.size(0),), dtype=torch.int32, device=logits.device, generator=gen)
-            if st.seeds is not None:
-                seeds[st.seeds[0]] = st.seeds[1].to(torch.int32)
-            sampled, final = gumbel_max_sample(logits, st.temperatures, seeds), None
+            sampled, final = gumbel_max_sample(logits, st.temperatures, self._kernel_seeds(logits, st)), None
+        elif logits.is_cuda and st.top_k is None and not need_final:  # top_p and/or min_p, no sort
+            from nanovllm.layers.sampling_kernel import nucleus_sample
+            sampled = nucleus_sample(logits, st.temperatures, st.top_p, st.min_p, self._kernel_seeds(logits, st))
+            final = None
         else:
             sampled, final = self._sample(logits, st, need_final)
         if st.num_logprobs < 0:
@@ -181,6 +183,15 @@ class Sampler(nn.Module):
             logits = logits.masked_fill(probs < st.min_p.unsqueeze(1) * probs.amax(-1, keepdim=True), float("-inf"))
         token_ids = torch.arange(logits.size(1), device=logits.device).expand_as(logits)
         return torch.where(greedy, logits.argmax(-1), (logits + self._noise(token_ids, st)).argmax(-1)), logits
+
+    def _kernel_seeds(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+        """[N] int32 seeds of the Triton samplers' noise: seeded rows' own, the others' from the
+        engine's generator (fresh each step)."""
+        gen = self._default_generator(logits.device)
+        seeds = torch.randint(0, 2**31 - 1, (logits.size(0),), dtype=torch.int32, device=logits.device, generator=gen)
+        if st.seeds is not None:
+            seeds[st.seeds[0]] = st.seeds[1].to(torch.int32)
+        return seeds
 
     def _noise(self, token_ids: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         """Gumbel noise [N, M] float32 at token_ids [N, M]: the engine's generator's, seeded rows' from

@@ -66,6 +66,81 @@ def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: t
 
 
 @triton.jit
+def nucleus_sample_kernel(logits_ptr, stride, temperatures_ptr, top_p_ptr, min_p_ptr, seeds_ptr, out_ptr, vocab_size,
+                          BLOCK: tl.constexpr):
+    """Grid (num_rows,): one token per row from softmax(x / T) restricted to min_p's and top_p's
+    set N (logits where T == 0), with no sort of the vocabulary. The draw is the Gumbel-max
+    argmax over N of x / T + G, G the noise of gumbel_max_kernel (so a seeded row draws the
+    sorted path's token): take the argmax over the tokens above a pivot; if the tokens more
+    probable than it already hold top_p of the mass, it is outside N, and the pivot rises to it.
+    Every token of N stays above the pivot, so the first argmax inside N is the argmax over N;
+    the most probable token is in N, so the loop ends, after at most 1 / top_p rounds on
+    average (the argmax falls in N with probability mass(N) >= top_p; FlashInfer's rejection
+    sampling has the same bound). N: min_p keeps p >= min_p * p_max, then top_p keeps the tokens
+    whose more probable tokens (of those) hold less than top_p. Base 2 as gumbel_max_kernel."""
+    row = tl.program_id(0)
+    temperature, top_p, min_p = tl.load(temperatures_ptr + row), tl.load(top_p_ptr + row), tl.load(min_p_ptr + row)
+    seed = _fmix32(tl.load(seeds_ptr + row).to(tl.uint32))
+    scale = 1.4426950408889634 / tl.where(temperature > 0, temperature, 1.0)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride
+    top = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in range(0, vocab_size, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        top = tl.maximum(top, tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32) * scale)
+    top = tl.max(top, 0)
+    floor = tl.where(min_p > 0, top + tl.log2(min_p), float("-inf"))  # p / p_max >= min_p
+    total = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, vocab_size, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        y = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32) * scale
+        total += tl.where(y >= floor, tl.exp2(y - top), 0.0)
+    total = tl.sum(total, 0)
+    pivot = float("-inf")
+    choice = 0
+    accepted = 0
+    while accepted == 0:
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_index = tl.zeros([BLOCK], tl.int32)
+        for start in range(0, vocab_size, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            y = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32) * scale
+            v = y
+            if temperature > 0:
+                bits = _fmix32(offs.to(tl.uint32) * 0x9E3779B9 + seed)
+                v = y - tl.log2(-tl.log2(((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216)))
+            v = tl.where((y >= floor) & (y > pivot), v, float("-inf"))
+            take = v > best
+            best = tl.where(take, v, best)
+            best_index = tl.where(take, offs, best_index)
+        choice = tl.min(tl.where(best == tl.max(best, 0), best_index, vocab_size), 0)
+        pivot = tl.load(row_ptr + choice).to(tl.float32) * scale
+        accepted = 1
+        if top_p < 1.0:
+            above = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, vocab_size, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                y = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32) * scale
+                above += tl.where((y >= floor) & (y > pivot), tl.exp2(y - top), 0.0)
+            accepted = (tl.sum(above, 0) < top_p * total).to(tl.int32)
+    tl.store(out_ptr + row, choice.to(tl.int64))
+
+
+def nucleus_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_p: torch.Tensor | None,
+                   min_p: torch.Tensor | None, seeds: torch.Tensor) -> torch.Tensor:
+    """logits [N, vocab] (any float dtype), temperatures [N] float32 (0: argmax), top_p and min_p
+    [N] float32 or None (off), seeds [N] int32 -> token ids [N] int64, drawn from min_p's and
+    top_p's set as Sampler's sorted path draws (nucleus_sample_kernel). One program per row
+    reads the logits 2 + 2 x rounds times."""
+    rows = logits.size(0)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    top_p = top_p if top_p is not None else torch.ones(rows, device=logits.device)
+    min_p = min_p if min_p is not None else torch.zeros(rows, device=logits.device)
+    nucleus_sample_kernel[(rows,)](logits, logits.stride(0), temperatures, top_p, min_p, seeds, out, logits.size(1),
+                                   BLOCK=2048, num_warps=8)
+    return out
+
+
+@triton.jit
 def logsumexp_rank_kernel(logits_ptr, stride, token_ids_ptr, max_ptr, sum_ptr, count_ptr, vocab_size,
                           CHUNK: tl.constexpr, SUB: tl.constexpr):
     """Grid (num_rows, num_chunks): over one CHUNK of a row of logits, the max m, sum(exp(x - m))
