@@ -49,7 +49,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         y = torch._scaled_mm(qx, weight.t(), scale_a=sx.unsqueeze(1), scale_b=weight_scale.unsqueeze(0),
                              out_dtype=torch.bfloat16).to(x.dtype)
     else:
-        y = ((qx.float() * sx.unsqueeze(1)) @ (weight.float() * weight_scale.unsqueeze(1)).t()).to(x.dtype)
+        y = ((qx.float() @ weight.float().t()) * sx.unsqueeze(1) * weight_scale).to(x.dtype)  # scales factor out
     if bias is not None:
         y = y + bias
     return y.view(*shape[:-1], -1)
