@@ -214,11 +214,11 @@ def test_nucleus_kernel_draws_what_the_sorted_path_draws():
     pytest.importorskip("triton")
     from nanovllm.layers.sampling_kernel import nucleus_sample
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    x = logits(n=5, vocab=2999, seed=9).to(device)  # the last block partial
+    x = logits(n=5, vocab=9001, seed=9).to(device)  # three blocks of 4,096, the last partial
     temps = torch.tensor([0.7, 1.3, 0.0, 1.0, 2.0], device=device)
     top_p = torch.tensor([0.9, 0.6, 1.0, 0.95, 0.3], device=device)
     min_p = torch.tensor([0.0, 0.05, 0.0, 0.01, 0.0], device=device)
-    for trial in range(25):
+    for trial in range(15):
         values = [trial * 10 + r for r in range(5)]
         seeded = tuple(t.to(device) for t in seeds(list(range(5)), values))
         for kwargs in (dict(top_p=top_p), dict(min_p=min_p), dict(top_p=top_p, min_p=min_p)):

@@ -136,7 +136,7 @@ def nucleus_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_p: torc
     top_p = top_p if top_p is not None else torch.ones(rows, device=logits.device)
     min_p = min_p if min_p is not None else torch.zeros(rows, device=logits.device)
     nucleus_sample_kernel[(rows,)](logits, logits.stride(0), temperatures, top_p, min_p, seeds, out, logits.size(1),
-                                   BLOCK=2048, num_warps=8)
+                                   BLOCK=4096, num_warps=8)
     return out
 
 
