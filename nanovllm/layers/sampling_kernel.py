@@ -88,7 +88,7 @@ def nucleus_sample_kernel(logits_ptr, stride, temperatures_ptr, top_p_ptr, min_p
         offs = start + tl.arange(0, BLOCK)
         top = tl.maximum(top, tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32) * scale)
     top = tl.max(top, 0)
-    floor = tl.where(min_p > 0, top + tl.log2(min_p), float("-inf"))  # p / p_max >= min_p
+    floor = tl.where(min_p > 0, top + tl.log2(tl.maximum(min_p, 1e-30)), float("-inf"))  # p / p_max >= min_p
     total = tl.zeros([BLOCK], tl.float32)
     for start in range(0, vocab_size, BLOCK):
         offs = start + tl.arange(0, BLOCK)
