@@ -52,6 +52,29 @@ def test_fp8_linear_against_float64(dtype):
     assert y3.shape == (2, 4, 40) and (y3[1, 3] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_kernel_writes_quantize_fp8s_bytes(dtype):
+    """The one-kernel activation quantizer of CUDA's fp8_linear (Triton's interpreter without
+    CUDA): the very values and scales of quantize_fp8 (a zero may lose its sign: -0 and 0 multiply
+    alike), on awkward widths, a zero row, values that land on e4m3's subnormals and its largest
+    values, and a strided input."""
+    pytest.importorskip("triton")
+    from nanovllm.layers.fp8_kernel import quantize_rows
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(2)
+    for n in (3, 100, 1000, 4097):
+        x = torch.randn(5, n, generator=g) * torch.logspace(-4, 4, n)
+        x[1] = 0
+        x[2, : n // 2] = 1e-6  # ~2^-9 of the row's scale and below: e4m3 subnormals and zeros
+        x = x.to(dtype).to(device)
+        out, scale = quantize_rows(x)
+        ref, ref_scale = quantize_fp8(x)
+        assert torch.equal(out.float(), ref.float()) and torch.equal(scale, ref_scale), n
+    wide = torch.randn(4, 2 * 100, generator=g).to(dtype).to(device)[:, ::2]  # a row stride of 200, step 2
+    out, scale = quantize_rows(wide)
+    assert torch.equal(out.float(), quantize_fp8(wide)[0].float())
+
+
 def test_dequantize_blocks_awkward_shapes():
     g = torch.Generator().manual_seed(1)
     weight = (torch.randn(40, 50, generator=g) * 100).to(E4M3)

@@ -39,16 +39,19 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T + b with W stored as float8: x [..., in] (the model dtype), weight [out, in]
     float8 e4m3, weight_scale [out] float32 (W = weight * weight_scale per row). x is quantized
-    per token (quantize_fp8), so y = (q_x q_W^T) * s_x s_W^T. On CUDA one torch._scaled_mm
-    (in, out multiples of 16; compute capability 8.9+, checked by the config); elsewhere the same
-    quantized values multiplied in float32. Returns [..., out] in x's dtype."""
+    per token (quantize_fp8; on CUDA its one-kernel twin fp8_kernel.quantize_rows), so
+    y = (q_x q_W^T) * s_x s_W^T. On CUDA one torch._scaled_mm (in, out multiples of 16; compute
+    capability 8.9+, checked by the config); elsewhere the same quantized values multiplied in
+    float32. Returns [..., out] in x's dtype."""
     shape = x.shape
-    qx, sx = quantize_fp8(x.reshape(-1, shape[-1]))
     if x.is_cuda:
+        from nanovllm.layers.fp8_kernel import quantize_rows
+        qx, sx = quantize_rows(x.reshape(-1, shape[-1]))
         # row-wise scales need a bf16 output (cuBLASLt); a float16 model converts it
         y = torch._scaled_mm(qx, weight.t(), scale_a=sx.unsqueeze(1), scale_b=weight_scale.unsqueeze(0),
                              out_dtype=torch.bfloat16).to(x.dtype)
     else:
+        qx, sx = quantize_fp8(x.reshape(-1, shape[-1]))
         y = ((qx.float() @ weight.float().t()) * sx.unsqueeze(1) * weight_scale).to(x.dtype)  # scales factor out
     if bias is not None:
         y = y + bias
