@@ -7,7 +7,8 @@ import triton.language as tl  # noqa: E402
 from nanovllm.engine.kv_cache import KVCacheSpec  # noqa: E402
 from nanovllm.layers.attention.torch_backend import TorchBackend  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
-from nanovllm.layers.qk_norm_rope_kernel import _round_to_e4m3, qk_norm_rope  # noqa: E402
+from nanovllm.layers.fp8_kernel import _round_to_e4m3  # noqa: E402
+from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope  # noqa: E402
 from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers.fp8_kernel import _quantize_e4m3
+
 
 @triton.jit
 def _norm_rope_heads(x_ptr, row, weight_ptr, cos, sin, eps, NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
@@ -33,19 +35,6 @@ def _norm_rope_heads(x_ptr, row, weight_ptr, cos, sin, eps, NUM_HEADS: tl.conste
 
 
 @triton.jit
-def _round_to_e4m3(x):
-    """x: float32, |x| <= 448, rounded (ties to even) to the float8 e4m3 grid, still in float32, so
-    that the cast to float8 after it is exact. A GPU rounds that cast the same way, but Triton's
-    CPU interpreter does not carry a rounded-up mantissa into the exponent (1.97 -> 1.0), so the
-    kernel rounds first. e4m3 keeps 3 mantissa bits: its step is 2^(max(e, -6) - 3) for |x| in
-    [2^e, 2^(e+1)); adding then subtracting c = 1.5 * 2^23 * step rounds x to a multiple of the
-    step, as float32's ulp at c is that step."""
-    biased_exponent = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF  # e + 127
-    c = (((tl.maximum(biased_exponent, 127 - 6) + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    return (x + c) - c
-
-
-@triton.jit
 def _store_heads(cache_ptr, scale_ptr, row, slot, x1, x2, NUM_K_HEADS: tl.constexpr, K_PAD: tl.constexpr,
                  HALF: tl.constexpr, SCALED: tl.constexpr):
     """Write one token's head vectors (halves x1, x2 [K_PAD, HALF]) at cache offsets row; with
@@ -55,8 +44,7 @@ def _store_heads(cache_ptr, scale_ptr, row, slot, x1, x2, NUM_K_HEADS: tl.conste
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(f1), 1), tl.max(tl.abs(f2), 1))
         scale = tl.maximum(amax, 1e-30) * (1.0 / 448.0)
-        x1 = _round_to_e4m3(tl.clamp(tl.math.div_rn(f1, scale[:, None]), -448.0, 448.0))
-        x2 = _round_to_e4m3(tl.clamp(tl.math.div_rn(f2, scale[:, None]), -448.0, 448.0))
+        x1, x2 = _quantize_e4m3(f1, scale[:, None]), _quantize_e4m3(f2, scale[:, None])
         heads = tl.arange(0, K_PAD)
         tl.store(scale_ptr + slot * NUM_K_HEADS + heads, scale, mask=heads < NUM_K_HEADS)
     tl.store(cache_ptr + row, x1.to(cache_ptr.dtype.element_ty), mask=mask)

@@ -5,7 +5,8 @@ vocabulary size is written. The uniforms come from a counter-based hash (MurmurH
 finaliser over the row's seed and the token index): Philox (tl.rand) made the kernel ALU-bound,
 130 us for 256 x 151,936 logits on an H200. Logprobs: each row's logsumexp and the rank of its
 token, without writing a log-softmax of vocabulary size. Top k (k <= 64): each chunk's entries
-above a per-row threshold, then torch.topk over those candidates alone (chunked_topk)."""
+above a per-row threshold, then torch.topk over those candidates alone (chunked_topk). Top p
+and min p: the Gumbel-max draw over the tokens above a rising pivot (nucleus_sample)."""
 import torch
 import triton
 import triton.language as tl
@@ -27,11 +28,9 @@ def gumbel_max_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, max_ptr, 
     row_ptr = logits_ptr + row.to(tl.int64) * stride
     for start in range(chunk * CHUNK, tl.minimum(vocab_size, (chunk + 1) * CHUNK), SUB):
         offs = start + tl.arange(0, SUB)
-        x = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32) * scale
+        x = _scaled_logits(row_ptr, offs, vocab_size, scale)
         if temperature > 0:
-            bits = _fmix32(offs.to(tl.uint32) * 0x9E3779B9 + seed)
-            u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216)  # 24 random bits, in (0, 1)
-            x = x - tl.log2(-tl.log2(u))
+            x = x + _gumbel2(offs, seed)
         take = x > best
         best = tl.where(take, x, best)
         best_index = tl.where(take, offs, best_index)
@@ -39,6 +38,20 @@ def gumbel_max_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, max_ptr, 
     out = row * tl.num_programs(1) + chunk
     tl.store(max_ptr + out, top)
     tl.store(index_ptr + out, tl.min(tl.where(best == top, best_index, vocab_size), 0).to(tl.int64))
+
+
+@triton.jit
+def _gumbel2(offs, seed):
+    """Gumbel noise in base 2, -log2(-log2(U)), at token ids offs for a row's hashed seed: U from
+    24 bits of the hash of (token id, seed), in (0, 1) (gumbel_noise in torch)."""
+    bits = _fmix32(offs.to(tl.uint32) * 0x9E3779B9 + seed)
+    return -tl.log2(-tl.log2(((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216)))
+
+
+@triton.jit
+def _scaled_logits(row_ptr, offs, vocab_size, scale):
+    """A row's logits at offs in float32 times scale, -inf past vocab_size."""
+    return tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32) * scale
 
 
 @triton.jit
@@ -86,13 +99,13 @@ def nucleus_sample_kernel(logits_ptr, stride, temperatures_ptr, top_p_ptr, min_p
     top = tl.full([BLOCK], float("-inf"), tl.float32)
     for start in range(0, vocab_size, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        top = tl.maximum(top, tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32) * scale)
+        top = tl.maximum(top, _scaled_logits(row_ptr, offs, vocab_size, scale))
     top = tl.max(top, 0)
     floor = tl.where(min_p > 0, top + tl.log2(tl.maximum(min_p, 1e-30)), float("-inf"))  # p / p_max >= min_p
     total = tl.zeros([BLOCK], tl.float32)
     for start in range(0, vocab_size, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        y = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32) * scale
+        y = _scaled_logits(row_ptr, offs, vocab_size, scale)
         total += tl.where(y >= floor, tl.exp2(y - top), 0.0)
     total = tl.sum(total, 0)
     pivot = float("-inf")
@@ -103,11 +116,10 @@ def nucleus_sample_kernel(logits_ptr, stride, temperatures_ptr, top_p_ptr, min_p
         best_index = tl.zeros([BLOCK], tl.int32)
         for start in range(0, vocab_size, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            y = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32) * scale
+            y = _scaled_logits(row_ptr, offs, vocab_size, scale)
             v = y
             if temperature > 0:
-                bits = _fmix32(offs.to(tl.uint32) * 0x9E3779B9 + seed)
-                v = y - tl.log2(-tl.log2(((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216)))
+                v = y + _gumbel2(offs, seed)
             v = tl.where((y >= floor) & (y > pivot), v, float("-inf"))
             take = v > best
             best = tl.where(take, v, best)
@@ -119,7 +131,7 @@ def nucleus_sample_kernel(logits_ptr, stride, temperatures_ptr, top_p_ptr, min_p
             above = tl.zeros([BLOCK], tl.float32)
             for start in range(0, vocab_size, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
-                y = tl.load(row_ptr + offs, mask=offs < vocab_size, other=float("-inf")).to(tl.float32) * scale
+                y = _scaled_logits(row_ptr, offs, vocab_size, scale)
                 above += tl.where((y >= floor) & (y > pivot), tl.exp2(y - top), 0.0)
             accepted = (tl.sum(above, 0) < top_p * total).to(tl.int32)
     tl.store(out_ptr + row, choice.to(tl.int64))
