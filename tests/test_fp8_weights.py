@@ -75,6 +75,24 @@ def test_quantize_rows_kernel_writes_quantize_fp8s_bytes(dtype):
     assert torch.equal(out.float(), quantize_fp8(wide)[0].float())
 
 
+def test_fp8_weight_gemm_kernel():
+    """The small-batch FP8 GEMM (activations in the model dtype, float8 weights widened in
+    registers; Triton's interpreter without CUDA, in float16 there: the interpreter multiplies
+    bfloat16 as integers) against x times the dequantized weights in float64, to the float16
+    output's rounding, on awkward sizes: partial tiles in M, N and K, and rows of x 2k apart."""
+    pytest.importorskip("triton")
+    from nanovllm.layers.fp8_kernel import fp8_weight_gemm
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    for m, n, k in ((1, 48, 80), (5, 100, 272), (37, 33, 130)):
+        x = (torch.randn(m, 2 * k, generator=g) * torch.logspace(-2, 1, 2 * k)).half().to(device)[:, :k]
+        qw, sw = quantize_fp8(torch.randn(n, k, generator=g) * 0.1)
+        ref = x.double() @ (qw.double() * sw.double()[:, None]).t().to(device)
+        y = fp8_weight_gemm(x, qw.to(device), sw.to(device), (32, 64, 4, 2))
+        assert y.dtype == torch.float16 and y.shape == (m, n)
+        assert torch.allclose(y.double(), ref, rtol=2**-10, atol=2**-10 * ref.abs().max().item()), (m, n, k)
+
+
 def test_dequantize_blocks_awkward_shapes():
     g = torch.Generator().manual_seed(1)
     weight = (torch.randn(40, 50, generator=g) * 100).to(E4M3)

@@ -159,12 +159,14 @@ def test_fp8_on_the_gpu(qwen3_06b, fp8, reference_args, max_gap):
     assert equal >= len(ps) // 2 and max(gaps) < max_gap, (equal, gaps)
 
 
-@pytest.mark.parametrize("m", [1, 7, 256, 1000])
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 256, 1000])
 def test_fp8_linear_on_the_gpu(m):
-    """torch._scaled_mm with row-wise scales (fp8_linear on CUDA) at Qwen3-0.6B's gate_up shape:
-    equal to the same quantized operands multiplied in float64 (to the bf16 output's rounding),
-    and within e4m3's error bound of the unquantized product (test_fp8_weights._bound)."""
-    from nanovllm.layers.fp8 import fp8_linear, quantize_fp8
+    """fp8_linear on CUDA at Qwen3-0.6B's gate_up shape, both paths: up to MAX_W8A16_ROWS rows the
+    Triton kernel with bf16 activations, equal to x times the dequantized weights in float64;
+    above, torch._scaled_mm with row-wise scales, equal to the same quantized operands in
+    float64 (both to the bf16 output's rounding, 2^-8); and both within e4m3's error bound of the
+    unquantized product (test_fp8_weights._bound)."""
+    from nanovllm.layers.fp8 import MAX_W8A16_ROWS, fp8_linear, quantize_fp8
     from tests.test_fp8_weights import _bound
     g = torch.Generator("cuda").manual_seed(m)
     x = (torch.randn(m, 1024, device="cuda", generator=g) * torch.logspace(-2, 1, 1024, device="cuda")).bfloat16()
@@ -173,7 +175,8 @@ def test_fp8_linear_on_the_gpu(m):
     y = fp8_linear(x, qw, sw)
     assert y.dtype == torch.bfloat16 and y.shape == (m, 6144)
     qx, sx = quantize_fp8(x)
-    same = (qx.double() * sx.double()[:, None]) @ (qw.double() * sw.double()[:, None]).t()
+    deq_x = x.double() if m <= MAX_W8A16_ROWS else qx.double() * sx.double()[:, None]
+    same = deq_x @ (qw.double() * sw.double()[:, None]).t()
     assert torch.allclose(y.double(), same, rtol=2**-8, atol=2**-8 * same.abs().max().item())
     exact = x.double() @ w.t()
     assert ((y.double() - exact).abs() <= _bound(x.double(), sx.double(), w, sw.double()) + 2**-8 * exact.abs()).all()

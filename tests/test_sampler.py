@@ -142,6 +142,31 @@ def test_top_k_path_draws_what_the_sorted_path_draws():
     assert fast[2] == x[2].argmax()
 
 
+def test_topk_kernel_draws_what_the_sorted_path_draws():
+    """The top-k kernel (filters and draw over each row's max_top_k largest logits; Triton's
+    interpreter without CUDA): every row seeded, so each must draw the sorted path's very token,
+    with min_p and top_p too; greedy rows the argmax, also where two logits tie."""
+    pytest.importorskip("triton")
+    from nanovllm.layers.sampling_kernel import topk_sample
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = logits(n=5, vocab=3001, seed=10)
+    x[2, 17] = x[2, 2999] = x[2].max() + 1  # a greedy row with a tie: the first index
+    temps = torch.tensor([0.7, 1.3, 0.0, 1.0, 2.0])
+    kwargs = dict(top_k=torch.tensor([5, 40, 0, 37, 20]), min_p=torch.tensor([0.0, 0.3, 0.0, 0.1, 0.2]),
+                  top_p=torch.tensor([0.9, 0.6, 1.0, 0.8, 0.5]))
+    values, ids = x.topk(40, dim=-1)
+    for trial in range(15):
+        seeded = seeds(list(range(5)), [trial * 10 + r for r in range(5)])
+        for names in (("top_k",), ("top_k", "min_p"), ("top_k", "top_p", "min_p")):
+            chosen = {k: kwargs[k] for k in names}
+            slow = sample(Sampler(), x, temps, seeds=seeded, **chosen)
+            fast = topk_sample(values.to(device), ids.to(device), temps.to(device),
+                               *(chosen[k].to(device) if k in chosen else None for k in ("top_k", "top_p", "min_p")),
+                               seeded[1].to(torch.int32).to(device))
+            assert torch.equal(fast.cpu(), slow), (trial, names, fast, slow)
+            assert fast[2] == 17
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_logprobs_of_temperature_sampling(dtype):
     """Raw logprobs next to plain temperature sampling (on CUDA: beside the Gumbel-max kernel): the

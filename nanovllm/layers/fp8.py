@@ -1,16 +1,18 @@
 """Float8 e4m3 (OCP FP8 spec, 2023): the quantizer the KV cache and the linear layers share, and
 the FP8 linear layer's math (quantization="fp8", vLLM's name).
 
-Weights get one scale per output channel, activations one per token, both computed from the
-data (max|x| / 448), so nothing needs calibration. A checkpoint quantized in 128 x 128 blocks
+Weights get one scale per output channel, activations (where quantized) one per token, both
+computed from the data (max|x| / 448), so nothing needs calibration. A checkpoint quantized in 128 x 128 blocks
 (Qwen3-*-FP8, `weight_scale_inv`) is dequantized at load (dequantize_blocks) and quantized again
-per channel: one GEMM shape for every checkpoint; on the GPU torch._scaled_mm with row-wise
-scales (cuBLASLt), elsewhere the same math on dequantized float32 values.
+per channel: one GEMM shape for every checkpoint; on the GPU a Triton kernel with bf16
+activations for small batches and torch._scaled_mm with row-wise scales (cuBLASLt) for large
+ones, elsewhere the W8A8 math on dequantized float32 values.
 """
 import torch
 import torch.nn.functional as F
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448, the largest finite e4m3 value
+MAX_W8A16_ROWS = 16  # up to this many tokens fp8_linear keeps activations in the model dtype (fp8_gemm.py)
 
 
 def quantize_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,13 +40,19 @@ def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tupl
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T + b with W stored as float8: x [..., in] (the model dtype), weight [out, in]
-    float8 e4m3, weight_scale [out] float32 (W = weight * weight_scale per row). x is quantized
-    per token (quantize_fp8; on CUDA its one-kernel twin fp8_kernel.quantize_rows), so
-    y = (q_x q_W^T) * s_x s_W^T. On CUDA one torch._scaled_mm (in, out multiples of 16; compute
-    capability 8.9+, checked by the config); elsewhere the same quantized values multiplied in
+    float8 e4m3, weight_scale [out] float32 (W = weight * weight_scale per row). Up to
+    MAX_W8A16_ROWS rows of bf16/fp16 on CUDA (decode steps, which read their weights and little
+    else), x stays as it is and the float8 weights are widened in registers
+    (fp8_kernel.fp8_weight_gemm). Otherwise x is quantized per token (quantize_fp8; on CUDA its
+    one-kernel twin fp8_kernel.quantize_rows), so y = (q_x q_W^T) * s_x s_W^T: on CUDA one
+    torch._scaled_mm (in, out multiples of 16; compute capability 8.9+, checked by the config),
+    twice bf16's tensor-core rate for prefill; elsewhere the same quantized values multiplied in
     float32. Returns [..., out] in x's dtype."""
     shape = x.shape
-    if x.is_cuda:
+    if x.is_cuda and x.numel() <= MAX_W8A16_ROWS * shape[-1] and x.dtype != torch.float32:
+        from nanovllm.layers.fp8_kernel import fp8_weight_gemm
+        y = fp8_weight_gemm(x.reshape(-1, shape[-1]), weight, weight_scale)
+    elif x.is_cuda:
         from nanovllm.layers.fp8_kernel import quantize_rows
         qx, sx = quantize_rows(x.reshape(-1, shape[-1]))
         # row-wise scales need a bf16 output (cuBLASLt); a float16 model converts it

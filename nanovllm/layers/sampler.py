@@ -120,7 +120,8 @@ class Sampler(nn.Module):
     rows, whose G is a hash of (seed, token id) (gumbel_noise), so they repeat whatever else is in
     the batch. On CUDA, a batch with temperatures alone is sampled in one pass by the Gumbel-max
     kernel (sampling_kernel.py), with the same hash in seeded rows; with top_p and/or min_p (and
-    no top_k) by the nucleus kernel, which draws the sorted path's token without sorting.
+    no top_k) by the nucleus kernel, which draws the sorted path's token without sorting; with
+top_k on every sampling row, by the top-k kernel over the rows' max_top_k largest logits.
     Logprobs are the log-softmax of the raw logits (logprobs_mode "raw_logprobs") or of the
     logits the token was drawn from ("processed_logprobs": after the processors, temperature and
     filters).
@@ -148,6 +149,12 @@ class Sampler(nn.Module):
         elif logits.is_cuda and st.top_k is None and not need_final:  # top_p and/or min_p, no sort
             from nanovllm.layers.sampling_kernel import nucleus_sample
             sampled = nucleus_sample(logits, st.temperatures, st.top_p, st.min_p, self._kernel_seeds(logits, st))
+            final = None
+        elif logits.is_cuda and st.max_top_k and not need_final:  # top_k on every sampling row: no sort
+            from nanovllm.layers.sampling_kernel import topk_sample
+            values, ids = topk(logits, st.max_top_k)
+            sampled = topk_sample(values.float(), ids, st.temperatures, st.top_k, st.top_p, st.min_p,
+                                  self._kernel_seeds(logits, st))
             final = None
         else:
             sampled, final = self._sample(logits, st, need_final)

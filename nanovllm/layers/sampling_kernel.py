@@ -6,7 +6,8 @@ finaliser over the row's seed and the token index): Philox (tl.rand) made the ke
 130 us for 256 x 151,936 logits on an H200. Logprobs: each row's logsumexp and the rank of its
 token, without writing a log-softmax of vocabulary size. Top k (k <= 64): each chunk's entries
 above a per-row threshold, then torch.topk over those candidates alone (chunked_topk). Top p
-and min p: the Gumbel-max draw over the tokens above a rising pivot (nucleus_sample)."""
+and min p: the Gumbel-max draw over the tokens above a rising pivot (nucleus_sample); with top
+k, the filters and the draw over the top k in one kernel (topk_sample)."""
 import torch
 import triton
 import triton.language as tl
@@ -149,6 +150,54 @@ def nucleus_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_p: torc
     min_p = min_p if min_p is not None else torch.zeros(rows, device=logits.device)
     nucleus_sample_kernel[(rows,)](logits, logits.stride(0), temperatures, top_p, min_p, seeds, out, logits.size(1),
                                    BLOCK=4096, num_warps=8)
+    return out
+
+
+@triton.jit
+def topk_sample_kernel(values_ptr, ids_ptr, temperatures_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, out_ptr,
+                       K: tl.constexpr, K_PAD: tl.constexpr):
+    """Grid (num_rows,): one token per row from the row's K largest logits (values [N, K] float32,
+    descending, with their token ids [N, K]), filtered as Sampler._filter_sorted filters them:
+    min_p (p >= min_p * p_max), top_k (the first top_k; 0: all K), top_p (keep while the mass
+    before an entry, of those left, is below top_p). Then the Gumbel-max argmax of x / T + G at
+    the kept entries, G the noise of gumbel_max_kernel at their token ids (so a seeded row draws
+    the sorted path's token); where T == 0 the smallest token id among the maxima (the argmax).
+    Base 2 as gumbel_max_kernel."""
+    row = tl.program_id(0)
+    rank = tl.arange(0, K_PAD)
+    x = tl.load(values_ptr + row * K + rank, mask=rank < K, other=float("-inf"))
+    ids = tl.load(ids_ptr + row * K + rank, mask=rank < K, other=0)
+    temperature = tl.load(temperatures_ptr + row)
+    if temperature > 0:
+        x = x * (1.4426950408889634 / temperature)
+        top_k, top_p, min_p = tl.load(top_k_ptr + row), tl.load(top_p_ptr + row), tl.load(min_p_ptr + row)
+        top = tl.max(x, 0)
+        keep = (rank < tl.where(top_k > 0, top_k, K)) & (x > float("-inf"))
+        keep &= x >= tl.where(min_p > 0, top + tl.log2(tl.maximum(min_p, 1e-30)), float("-inf"))
+        p = tl.where(keep, tl.exp2(x - top), 0.0)
+        keep &= tl.cumsum(p, 0) - p < top_p * tl.sum(p, 0)
+        v = tl.where(keep, x + _gumbel2(ids, _fmix32(tl.load(seeds_ptr + row).to(tl.uint32))), float("-inf"))
+        choice = tl.min(tl.where(v == tl.max(v, 0), rank, K_PAD), 0)
+        token = tl.sum(tl.where(rank == choice, ids, 0), 0)
+    else:
+        token = tl.min(tl.where(x == tl.max(x, 0), ids, 2**62), 0)
+    tl.store(out_ptr + row, token)
+
+
+def topk_sample(values: torch.Tensor, ids: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor | None,
+                top_p: torch.Tensor | None, min_p: torch.Tensor | None, seeds: torch.Tensor) -> torch.Tensor:
+    """values [N, K] float32 (each row's K largest logits, descending), ids [N, K] int64 (their
+    token ids), temperatures [N] float32 (0: argmax), top_k [N] int64 (0: off), top_p and min_p
+    [N] float32 (each None: off), seeds [N] int32 -> token ids [N] int64, the token that
+    Sampler's sorted path draws when every sampling row's top_k <= K (topk_sample_kernel): the
+    filters and the draw in one kernel over [N, K], not a dozen torch kernels."""
+    rows, k = values.shape
+    out = torch.empty(rows, dtype=torch.int64, device=values.device)
+    top_k = top_k if top_k is not None else torch.zeros(rows, dtype=torch.int64, device=values.device)
+    top_p = top_p if top_p is not None else torch.ones(rows, device=values.device)
+    min_p = min_p if min_p is not None else torch.zeros(rows, device=values.device)
+    topk_sample_kernel[(rows,)](values.contiguous(), ids.contiguous(), temperatures, top_k, top_p, min_p, seeds, out,
+                                K=k, K_PAD=triton.next_power_of_2(k), num_warps=1)
     return out
 
 
