@@ -64,9 +64,11 @@ class SamplingParams:
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # derived by validate(): `stop` as a tuple, and whether anything but temperature and the filters
-    # shapes the logits (penalties, logit_bias, banned or allowed tokens, min_tokens)
+    # derived by validate(): `stop` as a tuple, whether a penalty applies, and whether anything but
+    # temperature and the filters shapes the logits (penalties, logit_bias, banned or allowed
+    # tokens, min_tokens)
     stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
+    has_penalties: bool = field(init=False, repr=False, compare=False, default=False)
     needs_processing: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self):
@@ -118,8 +120,8 @@ class SamplingParams:
             raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
-        self.needs_processing = bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                                     or self.logit_bias or self.bad_words or self.allowed_token_ids is not None
+        self.has_penalties = bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+        self.needs_processing = bool(self.has_penalties or self.logit_bias or self.bad_words or self.allowed_token_ids is not None
                                      or self.min_tokens)
 
 

@@ -180,3 +180,31 @@ def test_fp8_linear_on_the_gpu(m):
     assert torch.allclose(y.double(), same, rtol=2**-8, atol=2**-8 * same.abs().max().item())
     exact = x.double() @ w.t()
     assert ((y.double() - exact).abs() <= _bound(x.double(), sx.double(), w, sw.double()) + 2**-8 * exact.abs()).all()
+
+
+def test_penalties_on_the_gpu(qwen3_06b):
+    """Penalised greedy requests through the penalty kernel and the token counts kept on the device,
+    beside plain ones in CUDA-graph decode steps: each token within bf16's reach of the argmax of
+    the float32 model's logits penalised as apply_penalties defines (over the tokens the engine
+    produced), and the penalties change the completions."""
+    from nanovllm import LLM, SamplingParams
+    path, _, exact_model = qwen3_06b
+    ps = prompts()[:6]
+    base = dict(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    pen = [dict(repetition_penalty=1.5), dict(presence_penalty=2.0, frequency_penalty=1.0)]
+    params = [SamplingParams(**base, **pen[i % 2]) if i < 4 else SamplingParams(**base) for i in range(len(ps))]
+    llm = LLM(path, max_model_len=2048, gpu_memory_utilization=0.5)
+    outs = llm.generate(ps, params, use_tqdm=False)
+    plain = llm.generate(ps[:4], SamplingParams(**base), use_tqdm=False)
+    assert any(a.token_ids != b.token_ids for a, b in zip(outs, plain))
+    for i, (p, o) in enumerate(zip(ps[:4], outs)):
+        x = logits(exact_model, p + o.token_ids)[len(p) - 1:-1]
+        for t, row in enumerate(x):
+            done = torch.tensor(o.token_ids[:t], dtype=torch.long, device="cuda")
+            counts = torch.bincount(done, minlength=row.numel()).float()
+            if i % 2 == 0:
+                seen = (counts > 0) | (torch.bincount(torch.tensor(p, device="cuda"), minlength=row.numel()) > 0)
+                row = torch.where(seen, torch.where(row > 0, row / 1.5, row * 1.5), row)
+            else:
+                row = row - 1.0 * counts - 2.0 * (counts > 0)
+            assert row.max() - row[o.token_ids[t]] < 0.5, (i, t)  # as test_fp8_on_the_gpu's bf16 gap

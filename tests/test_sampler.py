@@ -263,3 +263,30 @@ def test_nucleus_kernel_draws_what_the_sorted_path_draws():
     expected = torch.zeros(5)
     expected[[0, 1, 4]] = p[[0, 1, 4]] / p[[0, 1, 4]].sum()
     assert (counts - expected).abs().max() < 4 * (0.25 / n) ** 0.5, counts
+
+
+def test_penalty_kernel_equals_the_torch_penalties():
+    """The one-pass penalty kernel (Triton's interpreter without CUDA) against apply_penalties in
+    torch, on a vocabulary of two blocks (the last partial), with and without the prompt mask,
+    counts read through count_rows, and a row without penalties left bit for bit."""
+    pytest.importorskip("triton")
+    from nanovllm.layers.logits_processors import apply_penalties
+    from nanovllm.layers.penalty_kernel import apply_penalties_kernel
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(11)
+    vocab = 5001
+    x = torch.randn(4, vocab, generator=g) * 3
+    counts = torch.randint(0, 4, (5, vocab), generator=g, dtype=torch.int32) * (torch.rand(5, vocab, generator=g) < 0.1)
+    prompt_mask = torch.rand(5, vocab, generator=g) < 0.05
+    penalties = (torch.tensor([1.5, 0.0, -0.5, 0.0]), torch.tensor([0.5, 0.0, 1.0, 0.0]), torch.tensor([1.0, 1.3, 0.7, 1.0]))
+    for mask in (None, prompt_mask):
+        st = SamplingTensors(penalties=penalties, token_counts=counts, count_rows=torch.tensor([2, 4, 1, 0]),
+                             prompt_mask=mask)
+        ref = x.clone()
+        apply_penalties(ref, st)
+        st_dev = SamplingTensors(penalties=tuple(p.to(device) for p in penalties), token_counts=counts.to(device),
+                                 count_rows=st.count_rows.to(device), prompt_mask=None if mask is None else mask.to(device))
+        out = x.clone().to(device)
+        apply_penalties_kernel(out, st_dev)
+        torch.testing.assert_close(out.cpu(), ref, rtol=1e-6, atol=1e-6)
+        assert torch.equal(out[3].cpu(), x[3]) and not torch.equal(ref[:3], x[:3])

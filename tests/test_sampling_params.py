@@ -56,6 +56,28 @@ def test_penalties_match_transformers(llm, tiny_qwen3):
         assert ref != hf_greedy(hf, prompt, 12) or ref_pf != hf_greedy(hf, prompt, 12)  # the penalties bite
 
 
+def test_penalty_counts_survive_preemption_forks_and_mixed_batches(llm, tiny_qwen3):
+    """The per-sequence token counts kept on the device (TokenCounts) give the same completions
+    whether a sequence runs alone, beside unpenalised and differently penalised ones, forked
+    (n=2, each child its own counts), or is preempted and rebuilt from its token ids."""
+    prompts = random_prompts([30, 41, 25, 37], seed=36)
+    greedy = dict(temperature=0, max_tokens=40, ignore_eos=True)
+    params = [SamplingParams(**greedy, presence_penalty=1.5, frequency_penalty=0.5),
+              SamplingParams(**greedy),
+              SamplingParams(**greedy, repetition_penalty=3.0),
+              SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=40, ignore_eos=True, frequency_penalty=1.0)]
+    alone = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    together = llm.generate(prompts, params, use_tqdm=False)
+    # 10 blocks of 16 tokens for five sequences of up to 81 tokens: they preempt one another
+    tight = LLM(tiny_qwen3[0], **{**ARGS, "num_kvcache_blocks": 10})
+    squeezed = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    for a, b, c in zip(alone, together, squeezed):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs] == [o.token_ids for o in c.outputs]
+    plain = llm.generate([prompts[0]], params[1], use_tqdm=False)[0]
+    assert alone[0].token_ids != plain.token_ids  # the penalties bite
+
+
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
 def test_logprobs_equal_the_log_softmax(tiny_qwen3, mode):
     path, hf = tiny_qwen3
@@ -111,7 +133,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm, tiny_qwen3):
 def test_bad_words_of_several_tokens_are_blocked_at_their_last_token():
     x = torch.zeros(2, 10)
     x[:, 4] = 5.0  # token 4 is the argmax
-    st = SamplingTensors(output_ids=torch.tensor([[10, 1, 2], [10, 2, 1]]), penalties=(torch.zeros(2),) * 2 + (torch.ones(2),),
+    st = SamplingTensors(output_ids=torch.tensor([[10, 1, 2], [10, 2, 1]]),
                          banned_after=(torch.tensor([0, 1]), torch.tensor([[1, 2], [1, 2]]), torch.tensor([4, 4])))
     assert Sampler()(x, st)[0].tolist() == [0, 4]  # only row 0 ends in [1, 2]: its 4 is banned, the rest tie at 0
 

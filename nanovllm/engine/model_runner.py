@@ -13,7 +13,7 @@ from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import CUDAGraphRunner
 from nanovllm.engine.kv_cache import KVCacheSpec, num_kv_blocks
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.sampling_inputs import sampling_tensors
+from nanovllm.engine.sampling_inputs import TokenCounts, sampling_tensors
 from nanovllm.engine.step_inputs import Stager, StepPlan, plan_step
 from nanovllm.layers.attention import Attention, make_backend
 from nanovllm.layers.linear import quantize_weights
@@ -55,6 +55,7 @@ class ModelRunner:
         self.backend = make_backend(config.attention_backend)
         self.model = self._build_model()
         self.sampler = Sampler(config.seed, config.logprobs_mode)
+        self.token_counts = TokenCounts(self.hf_config.vocab_size, self.device)
         # what execute() uses, set before the warm-up step that sizes the KV cache runs it
         self.stager = Stager(self.device)
         self._prev_rows: dict[int, int] = {}  # seq_id -> row of the last launched step's sampled tokens
@@ -170,8 +171,10 @@ class ModelRunner:
         if logits is not None:
             with record_function("sampling"):
                 st = sampling_tensors(seqs, self.device, self.hf_config.vocab_size, self.config.eos_token_ids,
-                                      prev_rows, prev_sampled)
+                                      prev_rows, prev_sampled, self.token_counts)
                 sampled, logprobs = self.sampler(logits, st)
+                if st is not None and st.count_rows is not None:
+                    self.token_counts.add(st.count_rows, sampled)
                 self._prev_sampled = sampled
         if self.device.type != "cuda":
             return LaunchedStep(seqs, sampled, None, logprobs, prompt_lp and (prompt_spans, prompt_lp))
@@ -241,6 +244,7 @@ class ModelRunner:
     def reset(self):
         """Forget the last launched step (after its requests were aborted)."""
         self._prev_rows, self._prev_sampled = {}, None
+        self.token_counts.rows = {}
 
     def synchronize(self):
         if self.device.type == "cuda" and not (self.workers and self.workers.broken):

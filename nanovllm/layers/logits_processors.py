@@ -30,17 +30,16 @@ def apply_penalties(logits: torch.Tensor, st):
     """repetition_penalty over the tokens of prompt and completion (CTRL, Keskar et al. 2019:
     a positive logit divided by it, a negative one multiplied, as transformers'
     RepetitionPenaltyLogitsProcessor); then presence_penalty once and frequency_penalty per
-    occurrence over the completion's tokens (OpenAI's API definition)."""
+    occurrence over the completion's tokens (OpenAI's API definition). The counts come from
+    st.token_counts at st.count_rows; on CUDA one pass over the logits (penalty_kernel)."""
+    if logits.is_cuda:
+        from nanovllm.layers.penalty_kernel import apply_penalties_kernel
+        return apply_penalties_kernel(logits, st)
     presence, frequency, repetition = st.penalties
-    n, vocab = logits.shape
-    counts = torch.zeros(n, vocab + 1, dtype=torch.float32, device=logits.device)  # column vocab: padding
-    counts.scatter_add_(1, st.output_ids, torch.ones_like(st.output_ids, dtype=torch.float32))
-    counts = counts[:, :vocab]
+    counts = st.token_counts[st.count_rows].float()
     seen = counts > 0
-    if st.prompt_ids is not None:
-        in_prompt = torch.zeros(n, vocab + 1, dtype=torch.bool, device=logits.device)
-        in_prompt.scatter_(1, st.prompt_ids, True)
-        seen |= in_prompt[:, :vocab]
+    if st.prompt_mask is not None:
+        seen |= st.prompt_mask[st.count_rows]
     r = repetition.unsqueeze(1)
     logits.copy_(torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits))
     logits -= frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * (counts > 0)

@@ -14,9 +14,12 @@ class SamplingTensors:
     top_k [N] int64, top_p [N], min_p [N] float32; max_top_k: the largest top_k when every row with
     temperature > 0 has one, else 0. seeds: (rows [S] int64, seeds [S] int64 in [0, 2^31)) of the
     seeded rows, whose noise is gumbel_noise(seed, token id), the same in every sampling path.
-    penalties: (presence [N], frequency [N], repetition [N]) float32. output_ids [N, L] int64: each
-    row's completion so far, right-aligned, padded on the left with vocab_size. prompt_ids [N, P]:
-    likewise the prompts, only for repetition_penalty. logit_bias: (rows, token ids, values).
+    penalties: (presence [N], frequency [N], repetition [N]) float32, with token_counts [C, vocab]
+    int32 (how often each token occurs in a completion) at rows count_rows [N] int64, and, only for
+    repetition_penalty, prompt_mask [C, vocab] bool (the tokens of a prompt) at the same rows
+    (engine/sampling_inputs.TokenCounts). output_ids [N, L] int64: the last L tokens of each row's
+    completion, right-aligned, padded on the left with vocab_size (for banned_after).
+    logit_bias: (rows, token ids, values).
     banned: (rows, token ids) set to -inf (EOS and stop ids before min_tokens; one-token bad words).
     banned_after: (rows [B], prefixes [B, M] int64 left-padded with -3, token ids [B]): a token is
     banned when the row's completion ends with its prefix (bad words of several tokens).
@@ -29,8 +32,10 @@ class SamplingTensors:
     min_p: torch.Tensor | None = None
     seeds: tuple | None = None
     penalties: tuple | None = None
+    token_counts: torch.Tensor | None = None
+    count_rows: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
     output_ids: torch.Tensor | None = None
-    prompt_ids: torch.Tensor | None = None
     logit_bias: tuple | None = None
     banned: tuple | None = None
     banned_after: tuple | None = None
