@@ -110,12 +110,16 @@ class Processor:
                 raise ValueError("this model has no tokenizer; pass prompts as token-id lists")
             ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
-            wrong = next((i for i, t in enumerate(prompt) if not isinstance(t, Integral) or isinstance(t, bool)), None)
-            if wrong is not None:
-                raise ValueError(f"prompt token {wrong} is {prompt[wrong]!r}, not an integer token id")
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
+            if set(map(type, prompt)) <= {int}:  # the common case, checked at C speed (bool is not int here)
+                ids = list(prompt)
+            else:
+                wrong = next((i for i, t in enumerate(prompt) if not isinstance(t, Integral) or isinstance(t, bool)),
+                             None)
+                if wrong is not None:
+                    raise ValueError(f"prompt token {wrong} is {prompt[wrong]!r}, not an integer token id")
+                ids = [int(t) for t in prompt]
+            if ids and not (min(ids) >= 0 and max(ids) < self.vocab_size):
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
                 raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         else:
             raise ValueError(f"a prompt must be a string or a list of ints, got {type(prompt).__name__}")
