@@ -25,8 +25,8 @@ class TokenCounts:
     that the step's sampled tokens are added on the device (add), so no step uploads or scans
     whole completions. A sequence that leaves a step gives its row back. Row 0 is scratch for the
     rows of a step that have no penalties. Rows grow by doubling, up to max_num_seqs + 1 (5 bytes
-per vocabulary entry each: 0.2 GB for 256 sequences of Qwen3's 151,936 tokens, allocated
-outside the KV pool's budget, only once a request asks for penalties)."""
+    per vocabulary entry each: 0.2 GB for 256 sequences of Qwen3's 151,936 tokens, allocated
+    outside the KV pool's budget, only once a request asks for penalties)."""
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size, self.device = vocab_size, device

@@ -2,11 +2,11 @@
 the FP8 linear layer's math (quantization="fp8", vLLM's name).
 
 Weights get one scale per output channel, activations (where quantized) one per token, both
-computed from the data (max|x| / 448), so nothing needs calibration. A checkpoint quantized in 128 x 128 blocks
-(Qwen3-*-FP8, `weight_scale_inv`) is dequantized at load (dequantize_blocks) and quantized again
-per channel: one GEMM shape for every checkpoint; on the GPU a Triton kernel with bf16
-activations for small batches and torch._scaled_mm with row-wise scales (cuBLASLt) for large
-ones, elsewhere the W8A8 math on dequantized float32 values.
+computed from the data (max|x| / 448), so nothing needs calibration. A checkpoint quantized in
+128 x 128 blocks (Qwen3-*-FP8, `weight_scale_inv`) is dequantized at load (dequantize_blocks) and
+quantized again per channel: one GEMM shape for every checkpoint; on the GPU a Triton kernel
+with bf16 activations for small batches and torch._scaled_mm with row-wise scales (cuBLASLt) for
+large ones, elsewhere the W8A8 math on dequantized float32 values.
 """
 import torch
 import torch.nn.functional as F

@@ -126,7 +126,7 @@ class Sampler(nn.Module):
     the batch. On CUDA, a batch with temperatures alone is sampled in one pass by the Gumbel-max
     kernel (sampling_kernel.py), with the same hash in seeded rows; with top_p and/or min_p (and
     no top_k) by the nucleus kernel, which draws the sorted path's token without sorting; with
-top_k on every sampling row, by the top-k kernel over the rows' max_top_k largest logits.
+    top_k on every sampling row, by the top-k kernel over the rows' max_top_k largest logits.
     Logprobs are the log-softmax of the raw logits (logprobs_mode "raw_logprobs") or of the
     logits the token was drawn from ("processed_logprobs": after the processors, temperature and
     filters).
