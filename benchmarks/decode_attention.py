@@ -9,7 +9,7 @@ from triton.testing import do_bench
 
 from bench import measure_bandwidth
 from nanovllm.layers.fp8 import quantize_fp8
-from nanovllm.layers.attention.triton_backend import decode_attention
+from nanovllm.layers.attention.triton_backend import DECODE_BLOCK_N, decode_attention
 
 
 def to_fp8(k, v):
@@ -86,7 +86,7 @@ def sweep(args):
             (k, v, kv_scales), per_vector = to_fp8(k, v), args.head_dim + 4
         kv_bytes = 2 * int(lens.sum()) * args.num_kv_heads * per_vector
         results = []
-        configs = [(None, 64, 4, 2), *itertools.product([1, 2, 4, 8], [64, 128], [4, 8], [2, 3, 4])]
+        configs = [(None, DECODE_BLOCK_N, None, 2), *itertools.product([1, 2, 4, 8], [64, 128], [2, 4, 8], [2, 3, 4])]
         for splits, block_n, warps, stages in configs:
             try:
                 seconds = do_bench(lambda: decode_attention(q, k, v, lens, tables, args.head_dim ** -0.5, splits,

@@ -72,9 +72,12 @@ def test_prefill_kernel(dtype, block_size, group, head_dim, fp8):
     q = torch.randn(int(cu_q[-1]), num_kv_heads * group, head_dim, generator=gen).to(DEVICE, dtype)
     cu_q, lens = cu_q.to(DEVICE), torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim ** -0.5
-    out = torch.full_like(q, float("nan"))
-    prefill_attention(q, k, v, cu_q, lens, tables, int(counts.max()), scale, out=out, kv_scales=kv_scales)
-    assert rel_err(out, reference(q, k, v, cu_q, lens, tables, scale, kv_scales)) < TOL[dtype]
+    ref = reference(q, k, v, cu_q, lens, tables, scale, kv_scales)
+    for block_m, block_n in ((64, 64), (16, 16)):  # 16: block-aligned tiles
+        out = torch.full_like(q, float("nan"))
+        prefill_attention(q, k, v, cu_q, lens, tables, int(counts.max()), scale, out=out, kv_scales=kv_scales,
+                          block_m=block_m, block_n=block_n)
+        assert rel_err(out, ref) < TOL[dtype], f"block_m={block_m}, block_n={block_n}"
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -92,7 +95,7 @@ def test_decode_kernel(dtype, block_size, group, head_dim, num_seqs, fp8):
     cu_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=DEVICE)
     scale = head_dim ** -0.5
     ref = reference(q, k, v, cu_q, lens, tables, scale, kv_scales)
-    for splits, block_n in ((None, 64), (1, 64), (4, 128), (16, 64), (2, 128)):
+    for splits, block_n in ((None, 64), (1, 64), (4, 128), (16, 64), (2, 128), (1, 16), (4, 16)):  # 16: block-aligned tiles
         out = torch.full_like(q, float("nan"))
         decode_attention(q, k, v, lens, tables, scale, num_splits=splits, out=out, block_n=block_n, kv_scales=kv_scales)
         assert rel_err(out, ref) < TOL[dtype], f"num_splits={splits}, block_n={block_n}"

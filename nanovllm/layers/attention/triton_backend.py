@@ -58,10 +58,11 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) ->
 
 
 def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num_splits=None, out=None,
-                     kv_scales=None, block_n=DECODE_BLOCK_N, num_warps=4, num_stages=2):
+                     kv_scales=None, block_n=DECODE_BLOCK_N, num_warps=None, num_stages=2):
     """Attention of one new token per sequence, q: [num_seqs, num_heads, head_dim], over its
     context_lens[i] cached keys; context length 0 gives zeros (padding rows of CUDA graphs).
-    kv_scales: (k_scales, v_scales) of a float8 cache, else None."""
+    kv_scales: (k_scales, v_scales) of a float8 cache, else None. num_warps: by default 4, or 2 for
+    a float8 cache (the fastest on an H100 at batch 256, benchmarks/decode_attention.py --sweep)."""
     out = torch.empty_like(q) if out is None else out
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.size(2)
@@ -76,7 +77,8 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num
         q, *caches, out, acc, ml, context_lens, block_tables, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.size(1),
-        BLOCK_N=block_n, NUM_SPLITS=splits, SCALED=kv_scales is not None, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_N=block_n, NUM_SPLITS=splits, SCALED=kv_scales is not None,
+        num_warps=num_warps or (4 if kv_scales is None else 2), num_stages=num_stages)
     if splits > 1:
         reduce_splits_kernel[(num_seqs, num_heads)](out, acc, ml, out.stride(0), out.stride(1),
                                                     HEAD_DIM=head_dim, NUM_SPLITS=splits)
