@@ -1,12 +1,12 @@
 """FP8-weight GEMMs of Qwen3-8B (and -0.6B with --model qwen3-0.6b) at decode batch sizes: bf16
 cuBLAS (F.linear), the W8A8 path (fp8_kernel.quantize_rows + torch._scaled_mm, row-wise scales)
-and the W8A16 Triton kernels (fp8_kernel.fp8_weight_gemm: a GEMV for one row, tensor cores for
-more) in several tilings. Each timing is a CUDA
+and the W8A16 Triton kernel (fp8_kernel.fp8_weight_gemm, tensor cores) in several tilings; one row
+is benchmarks/gemv.py's. Each timing is a CUDA
 graph of 28 products with 28 different weights (decode_gemm.time_graph: weights from HBM, not
 L2), us per product; every path is first checked against a float32 product of the same float8
 weights. Prints TB/s of the float8 weight bytes for the best Triton tiling.
 
-    python benchmarks/fp8_gemm.py [--model qwen3-8b] [--m 1 16 64 128 256]
+    python benchmarks/fp8_gemm.py [--model qwen3-8b] [--m 16 64 128 256]
 """
 import argparse
 
@@ -24,8 +24,6 @@ SHAPES = {"qwen3-8b": {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_u
                          "down_proj": (1024, 3072)}}
 CONFIGS = [(16, 256, 4, 4), (16, 512, 4, 3), (16, 512, 8, 4), (32, 256, 4, 4), (32, 512, 4, 3), (32, 128, 4, 4),
            (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 256, 8, 3)]
-GEMV_CONFIGS = [(8, 512, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3), (16, 1024, 8, 3), (32, 256, 4, 3), (32, 512, 8, 3),
-                (64, 128, 4, 3), (64, 256, 8, 3)]  # one row: fp8_weight_gemv_kernel  # (BLOCK_N, BLOCK_K, warps, stages)
 
 
 def scaled_mm(x, w, s):
@@ -36,7 +34,7 @@ def scaled_mm(x, w, s):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-8b", choices=list(SHAPES))
-    p.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 128, 256])
+    p.add_argument("--m", type=int, nargs="+", default=[16, 64, 128, 256])
     args = p.parse_args()
     torch.manual_seed(0)
     totals = {}
@@ -51,7 +49,7 @@ def main():
             timings = {"bf16 cuBLAS": time_graph(lambda i: F.linear(x, ws[i]))}
             assert ((scaled_mm(x, *qs[0]).float() - (qx[0].float() * qx[1][:, None]) @ w).abs().max() < tol)
             timings["W8A8 _scaled_mm"] = time_graph(lambda i: scaled_mm(x, *qs[i]))
-            for cfg in GEMV_CONFIGS if M == 1 else CONFIGS:
+            for cfg in CONFIGS:
                 try:
                     err = (fp8_weight_gemm(x, *qs[0], cfg).float() - ref).abs().max().item()
                 except triton.runtime.errors.OutOfResources:

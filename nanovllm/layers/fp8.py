@@ -9,7 +9,6 @@ with bf16 activations for small batches and torch._scaled_mm with row-wise scale
 large ones, elsewhere the W8A8 math on dequantized float32 values.
 """
 import torch
-import torch.nn.functional as F
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448, the largest finite e4m3 value
 MAX_W8A16_ROWS = 16  # up to this many tokens fp8_linear keeps activations in the model dtype (fp8_gemm.py)
@@ -65,7 +64,3 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         y = y + bias
     return y.view(*shape[:-1], -1)
 
-
-def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, bias: torch.Tensor | None):
-    """F.linear, or fp8_linear when the weight is float8 (weight_scale given)."""
-    return F.linear(x, weight, bias) if weight_scale is None else fp8_linear(x, weight, weight_scale, bias)

@@ -79,43 +79,20 @@ def fp8_weight_gemm_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, M, N, K, stride_xm,
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-@triton.jit
-def fp8_weight_gemv_kernel(x_ptr, w_ptr, scale_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Grid (cdiv(N, BLOCK_N),): fp8_weight_gemm_kernel for one row of x [1, K], without tensor
-    cores: each program streams a [BLOCK_N, K] slice of w along K (contiguous loads of float8),
-    multiplies in float32 and sums along K once at the end."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    for k in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + k + rk, mask=k + rk < K, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=(rn[:, None] < N) & (k + rk[None, :] < K), other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
-        w_ptrs += BLOCK_K
-    y = tl.sum(acc, 1) * tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
-
-
-GEMV_CONFIG, GEMM_CONFIG = (16, 1024, 8, 3), (32, 512, 4, 3)  # (BLOCK_N, BLOCK_K, warps, stages): fp8_gemm.py
+GEMM_CONFIG = (32, 512, 4, 3)  # (BLOCK_N, BLOCK_K, warps, stages): the fastest in benchmarks/fp8_gemm.py
 
 
 def fp8_weight_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [M, K] (bf16 or fp16) @ (weight [N, K] float8 e4m3 * weight_scale [N] float32 per row)^T
     -> [M, N] in x's dtype: the activations stay in the model dtype, so a decode step, which
-    reads its weights and little else, moves one byte per weight and quantizes nothing. One row:
-    fp8_weight_gemv_kernel; more: fp8_weight_gemm_kernel, BLOCK_M the smallest of 16/32/64 that
-    holds M. config: (BLOCK_N, BLOCK_K, num_warps, num_stages), by default GEMV_CONFIG or
-    GEMM_CONFIG (the fastest that benchmarks/fp8_gemm.py measured on Qwen3-8B's products)."""
+    reads its weights and little else, moves one byte per weight and quantizes nothing. BLOCK_M is
+    the smallest of 16/32/64 that holds M (linear.linear sends one row to gemv.gemv instead).
+    config: (BLOCK_N, BLOCK_K, num_warps, num_stages), by default GEMM_CONFIG."""
     x = x if x.stride(1) == 1 else x.contiguous()
     (m, k), n = x.shape, weight.size(0)
-    block_n, block_k, warps, stages = config or (GEMV_CONFIG if m == 1 else GEMM_CONFIG)
+    block_n, block_k, warps, stages = config or GEMM_CONFIG
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 1:
-        fp8_weight_gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, weight_scale, y, n, k, BLOCK_N=block_n,
-                                                           BLOCK_K=block_k, num_warps=warps, num_stages=stages)
-        return y
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     fp8_weight_gemm_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         x, weight, weight_scale, y, m, n, k, x.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,

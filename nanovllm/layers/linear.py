@@ -9,10 +9,26 @@ checkpoint tensors and no rank ever holds more than its shard.
 """
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.fp8 import linear, quantize_fp8
+from nanovllm.layers.activation import silu_and_mul
+from nanovllm.layers.fp8 import fp8_linear, quantize_fp8
 from nanovllm.parallel.state import TensorParallel
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, bias: torch.Tensor | None,
+           gated: bool = False) -> torch.Tensor:
+    """y = a W^T + b for x [..., in] (gated: x = [gate | up] [..., 2 * in] and a = silu(gate) * up,
+    else a = x), weight [out, in] in x's dtype or float8 with weight_scale [out] -> [..., out].
+    One row of bf16/fp16 on CUDA (a decode step of one sequence): gemv.gemv, the gate fused into
+    its loads; otherwise F.linear, or fp8_linear for a float8 weight."""
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.numel() == x.size(-1):
+        from nanovllm.layers.gemv import gemv
+        return gemv(x, weight, weight_scale, bias, gated)
+    if gated:
+        x = silu_and_mul(x)
+    return F.linear(x, weight, bias) if weight_scale is None else fp8_linear(x, weight, weight_scale, bias)
 
 
 class LinearBase(nn.Module):
@@ -105,13 +121,17 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Shards the input features; partial outputs are summed across ranks (bias added once)."""
+    """Shards the input features; partial outputs are summed across ranks (bias added once).
+    gated: the input is [gate | up] (each this rank's shard) and the layer multiplies silu(gate) * up
+    (SwiGLU's down_proj; see linear)."""
 
-    def __init__(self, input_size: int, output_size: int, tp: TensorParallel, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, tp: TensorParallel, bias: bool = False,
+                 gated: bool = False):
         super().__init__(input_size // tp.size, output_size, bias, 1, tp)
+        self.gated = gated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.weight_scale, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.weight_scale, self.bias if self.tp_rank == 0 else None, self.gated)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y

@@ -7,7 +7,6 @@ forward takes the step's AttentionMetadata explicitly."""
 import torch
 from torch import nn
 
-from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
@@ -47,11 +46,10 @@ class DecoderMLP(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], tp)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp)
-        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp, gated=True)  # silu(gate) * up first
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
