@@ -12,14 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers.pdl import pdl_args, pdl_start
+
 
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N),): y [N] = (w [N, K] @ a) * scale + bias, one program per BLOCK_N rows
     of w streamed along K (contiguous loads, products in float32, summed along K once at the end;
     no tensor cores). a = x [K], or with GATED silu(x[:K]) * x[K:] for x [2K], rounded to x's
-    dtype as SiluAndMul rounds it. scale [N] float32 (float8 weights: W = w * scale per row)."""
+    dtype as silu_and_mul rounds it. scale [N] float32 (float8 weights: W = w * scale per row)."""
+    pdl_start(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :]
@@ -65,5 +68,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, weight if weight_scale is None else weight_scale, weight if bias is None else bias, y, n, k,
         SCALED=weight_scale is not None, HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_args(x.device))
     return y

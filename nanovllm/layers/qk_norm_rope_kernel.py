@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers.fp8_kernel import _quantize_e4m3
+from nanovllm.layers.pdl import pdl_args, pdl_start
 
 
 @triton.jit
@@ -56,10 +57,11 @@ def qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, 
                         v_ptr, stride_v, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
                         NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, Q_PAD: tl.constexpr,
                         K_PAD: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
-                        SCALED: tl.constexpr):
+                        SCALED: tl.constexpr, PDL: tl.constexpr):
     """Grid (num_tokens,). With STORE, also k (rotated) and v into the caches at the token's slot
     (slot_mapping; -1 skips): the cache row of a slot is its num_kv_heads * head_dim values, its
     scales (SCALED) num_kv_heads floats."""
+    pdl_start(PDL)
     t = tl.program_id(0)
     pos = tl.load(positions_ptr + t)
     d = tl.arange(0, HALF)[None, :]
@@ -103,5 +105,5 @@ def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
         v, v.stride(0), k_cache, v_cache, k_scales if scaled else k, v_scales if scaled else k, slots,
         NUM_Q_HEADS=q.size(1), NUM_K_HEADS=k.size(1), Q_PAD=triton.next_power_of_2(q.size(1)),
         K_PAD=triton.next_power_of_2(k.size(1)), HALF=q.size(2) // 2, NORM=norm, STORE=store, SCALED=scaled,
-        num_warps=4)
+        num_warps=4, **pdl_args(q.device))
     return q, k

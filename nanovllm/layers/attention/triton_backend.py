@@ -7,6 +7,7 @@ import triton
 from nanovllm.layers.attention.base import AttentionBackend
 from nanovllm.layers.attention.triton_kernels import (LOG2E, decode_attention_kernel, prefill_attention_kernel,
                                                       reduce_splits_kernel)
+from nanovllm.layers.pdl import pdl_args
 from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope
 
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, DECODE_BLOCK_N = 64, 64, 64
@@ -35,7 +36,8 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
         q, *caches, out, cu_seqlens_q, context_lens, block_tables, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
         GROUP=num_heads // k_cache.size(2), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.size(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, SCALED=kv_scales is not None, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, SCALED=kv_scales is not None, num_warps=num_warps, num_stages=num_stages,
+        **pdl_args(q.device))
     return out
 
 
@@ -78,10 +80,10 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.size(1),
         BLOCK_N=block_n, NUM_SPLITS=splits, SCALED=kv_scales is not None,
-        num_warps=num_warps or (4 if kv_scales is None else 2), num_stages=num_stages)
+        num_warps=num_warps or (4 if kv_scales is None else 2), num_stages=num_stages, **pdl_args(q.device))
     if splits > 1:
         reduce_splits_kernel[(num_seqs, num_heads)](out, acc, ml, out.stride(0), out.stride(1),
-                                                    HEAD_DIM=head_dim, NUM_SPLITS=splits)
+                                                    HEAD_DIM=head_dim, NUM_SPLITS=splits, **pdl_args(q.device))
     return out
 
 

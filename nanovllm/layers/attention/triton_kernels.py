@@ -16,6 +16,8 @@ q must then fit fp16 (|q| < 65504; q is RMS-normed in Qwen3).
 import triton
 import triton.language as tl
 
+from nanovllm.layers.pdl import pdl_start
+
 LOG2E = 1.4426950408889634
 
 
@@ -61,9 +63,10 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_sca
                              context_lens_ptr, block_tables_ptr, scale_log2, stride_qt, stride_qh, stride_ot,
                              stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, GROUP: tl.constexpr,
                              HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, SCALED: tl.constexpr):
+                             BLOCK_N: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
     """Grid (q tiles, num_heads, num_seqs): causal attention of BLOCK_M new tokens of one sequence
     and head over that sequence's cached keys (its earlier tokens and this step's)."""
+    pdl_start(PDL)
     pid_m, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
@@ -99,13 +102,15 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
                             context_lens_ptr, block_tables_ptr, scale_log2, stride_qt, stride_qh, stride_ot,
                             stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, GROUP: tl.constexpr,
                             BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                            BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SCALED: tl.constexpr):
+                            BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SCALED: tl.constexpr,
+                            PDL: tl.constexpr):
     """Grid (num_kv_heads, num_seqs, NUM_SPLITS): one query token per sequence (flash-decoding).
     Heads vary fastest so that the GPU starts every head of the first sequences first: with the
     batch ordered longest context first, that is longest-processing-time-first scheduling.
     Each program reads one KV head's keys once for all GROUP query heads that share it, over its
     share of the context. With one split it writes the output; otherwise it writes the partial
     (acc [D], max, sum) per head and split for reduce_splits_kernel."""
+    pdl_start(PDL)
     kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx_len = tl.load(context_lens_ptr + seq)
     per_split = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -144,8 +149,9 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
 
 @triton.jit
 def reduce_splits_kernel(o_ptr, acc_ptr, ml_ptr, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
     """Grid (num_seqs, num_heads): merge the NUM_SPLITS partial softmaxes of one query head."""
+    pdl_start(PDL)
     seq, head = tl.program_id(0), tl.program_id(1)
     part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
     m = tl.load(ml_ptr + part * 2)
