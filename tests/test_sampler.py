@@ -125,6 +125,22 @@ def test_gumbel_max_kernel_samples_the_softmax():
     assert gumbel_max_sample(wide, torch.zeros(3, device=device), seeds[:3]).tolist() == [9000] * 3
 
 
+def test_gumbel_noise_is_finite_at_the_largest_hash():
+    """Seed 148 hashes token 14,809 to the largest 24-bit value (found by search): U must stay
+    below 1 in float32, or the noise is +inf and that token wins whatever its logit (it did, in a
+    user's top_p run: a token of logprob -22.8). Both the torch noise and the kernel's."""
+    seeds, token_ids = torch.tensor([148]), torch.tensor([[14809]])
+    assert torch.isfinite(gumbel_noise(seeds, token_ids)).all()
+    pytest.importorskip("triton")
+    from nanovllm.layers.sampling_kernel import gumbel_max_sample
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = torch.zeros(1, 16384, device=device)
+    logits[0, 14809] = -1e4  # must never be drawn
+    drawn = gumbel_max_sample(logits, torch.ones(1, device=device), torch.tensor([148], dtype=torch.int32, device=device))
+    expected = (logits.cpu() + gumbel_noise(seeds, torch.arange(16384).unsqueeze(0))).argmax(-1)
+    assert drawn.item() != 14809 and drawn.cpu().item() == expected.item()
+
+
 def test_top_k_path_draws_what_the_sorted_path_draws():
     """With top_k on every sampling row the filters run on torch.topk's values (no sort of the
     vocabulary); seeded rows must draw the very same tokens as on the sorted path, with min_p and

@@ -108,7 +108,9 @@ def gumbel_noise(seeds: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     [S, M] int64: U from the counter-based hash of (seed, token id) that the Gumbel-max kernel
     uses (sampling_kernel.py), so a seeded row draws the same token on every path."""
     bits = _fmix32((token_ids * 0x9E3779B9 + _fmix32(seeds).unsqueeze(1)) & 0xFFFFFFFF)
-    u = ((bits >> 8).float() + 0.5) * (1.0 / 16777216)  # 24 random bits, in (0, 1)
+    # 23 random bits, in (0, 1): with 24, (2^24 - 1 + 0.5) / 2^24 rounds to 1.0 in float32 and the
+    # noise to +inf (one token in ~110 rows of Qwen's vocabulary drawn whatever its logit)
+    u = ((bits >> 9).float() + 0.5) * (1.0 / 8388608)
     return -(-u.log()).log()
 
 

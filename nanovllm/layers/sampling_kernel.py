@@ -44,9 +44,9 @@ def gumbel_max_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, max_ptr, 
 @triton.jit
 def _gumbel2(offs, seed):
     """Gumbel noise in base 2, -log2(-log2(U)), at token ids offs for a row's hashed seed: U from
-    24 bits of the hash of (token id, seed), in (0, 1) (gumbel_noise in torch)."""
+    23 bits of the hash of (token id, seed), in (0, 1) exactly in float32 (gumbel_noise in torch)."""
     bits = _fmix32(offs.to(tl.uint32) * 0x9E3779B9 + seed)
-    return -tl.log2(-tl.log2(((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216)))
+    return -tl.log2(-tl.log2(((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608)))
 
 
 @triton.jit
