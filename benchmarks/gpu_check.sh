@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
 stage=${1:-all}
 if [[ $stage == all || $stage == tests ]]; then
-  python -m pytest -q ${PYTEST_ARGS:-} ${TESTS:-tests/test_attention_kernels.py tests/test_gpu_engine.py tests/test_gpu_parallel.py} 2>&1 | tee "$out/tests.log" | tail -15
+  python -m pytest -q ${PYTEST_ARGS:-} ${TESTS:-tests/test_attention_kernels.py tests/test_gemv.py tests/test_gpu_engine.py tests/test_gpu_parallel.py} 2>&1 | tee "$out/tests.log" | tail -15
 fi
 if [[ $stage == all || $stage == bench ]]; then
   python benchmarks/decode_attention.py 2>&1 | tee "$out/decode_attention.log"
