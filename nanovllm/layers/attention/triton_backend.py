@@ -64,7 +64,8 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num
     """Attention of one new token per sequence, q: [num_seqs, num_heads, head_dim], over its
     context_lens[i] cached keys; context length 0 gives zeros (padding rows of CUDA graphs).
     kv_scales: (k_scales, v_scales) of a float8 cache, else None. num_warps: by default 4, or 2 for
-    a float8 cache (the fastest on an H100 at batch 256, benchmarks/decode_attention.py --sweep)."""
+    a float8 cache (the fastest of a sweep of tile variants on an H100 at batch 256, NOTES.md
+    2026-11-24)."""
     out = torch.empty_like(q) if out is None else out
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.size(2)
