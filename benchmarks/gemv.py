@@ -1,7 +1,7 @@
 """One-row products (the decode step of one sequence) of Qwen3-0.6B and -8B: cuBLAS (F.linear) and
 the float8 W8A16 GEMM against layers/gemv.py's kernel with its default tiling, in bf16 and float8
-weights, and down_proj with silu(gate) * up as a kernel of its own against fused into the GEMV's
-loads. Each timing is a CUDA graph of 28 products with 28 different weights (decode_gemm.time_graph:
+weights, down_proj with silu(gate) * up as a kernel of its own against fused into the GEMV's
+loads, and qkv/gate_up with the RMSNorm (and residual add) before them likewise. Each timing is a CUDA graph of 28 products with 28 different weights (decode_gemm.time_graph:
 weights from HBM, not L2), us per product; every result is first checked against a float32
 product. --sweep times every tiling of a grid instead and prints the fastest per model and dtype.
 
@@ -18,7 +18,8 @@ from fp8_gemm import SHAPES
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.fp8 import quantize_fp8
 from nanovllm.layers.fp8_kernel import fp8_weight_gemm
-from nanovllm.layers.gemv import gemv
+from nanovllm.layers.gemv import gemv, norm_gemv
+from nanovllm.layers.layernorm import RMSNorm
 
 SWEEP = list(itertools.product([1, 2, 4, 8], [512, 1024, 2048], [4, 8], [3, 4]))  # (BLOCK_N, BLOCK_K, warps, stages)
 
@@ -52,6 +53,10 @@ def compare():
             t = {"baseline": time_graph(base), "gemv": time_graph(lambda i: gemv(x, *ws[i], gated=gated))}
             if gated:
                 t["gemv, gate unfused"] = time_graph(lambda i: gemv(silu_and_mul(x), *ws[i]))
+            if name in ("qkv_proj", "gate_up_proj"):
+                norm, res = RMSNorm(k).cuda().bfloat16(), torch.randn_like(x)
+                t["RMSNorm + gemv"] = time_graph(lambda i: gemv(norm(x, res)[0], *ws[i]))
+                t["norm_gemv"] = time_graph(lambda i: norm_gemv(x, res, norm.weight, norm.eps, *ws[i])[0])
             print(f"{model} {'fp8' if fp8 else 'bf16'} {name} N={n} K={k}: " +
                   ", ".join(f"{key} {us:.2f} us" for key, us in t.items()) +
                   f" ({n * k * ws[0][0].element_size() / t['gemv'] / 1e6:.2f} TB/s)",

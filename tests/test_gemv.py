@@ -1,6 +1,6 @@
 """The one-row product kernel (layers/gemv.py) against float64 products on awkward sizes: partial
-tiles in N and K, 16-bit and float8 weights, bias, and SwiGLU's silu(gate) * up fused into the
-loads. Without CUDA it runs in Triton's interpreter, in float16 (the interpreter multiplies
+tiles in N and K, 16-bit and float8 weights, bias, and SwiGLU's silu(gate) * up or the RMSNorm
+(with the residual add) fused into the loads. Without CUDA it runs in Triton's interpreter, in float16 (the interpreter multiplies
 bfloat16 as integers); on CUDA also in bfloat16 at Qwen3-0.6B's and -8B's shapes through
 linear.linear, as the decode step of one sequence runs it."""
 import pytest
@@ -9,8 +9,10 @@ import torch
 pytest.importorskip("triton")
 from nanovllm.layers.activation import silu_and_mul  # noqa: E402
 from nanovllm.layers.fp8 import quantize_fp8  # noqa: E402
-from nanovllm.layers.gemv import gemv  # noqa: E402
-from nanovllm.layers.linear import linear  # noqa: E402
+from nanovllm.layers.gemv import gemv, norm_gemv  # noqa: E402
+from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
+from nanovllm.layers.linear import ColumnParallelLinear, linear, norm_linear  # noqa: E402
+from nanovllm.parallel.state import TensorParallel  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -38,6 +40,56 @@ def test_gemv_awkward_sizes(fp8, gated, bias):
         ref = reference(x.cpu(), w, scale, b, gated).to(DEVICE)
         assert y.shape == (1, n) and y.dtype == torch.float16
         assert torch.allclose(y.double(), ref, rtol=2**-10, atol=2**-10 * ref.abs().max().item()), (n, k)
+
+
+def normed(x, residual, norm_weight, eps):
+    """layernorm.RMSNorm's result and residual sum (its torch code, run on the CPU)."""
+    norm = RMSNorm(x.size(-1), eps).to(x.dtype)
+    norm.weight.data.copy_(norm_weight.cpu())
+    x, residual = x.cpu(), None if residual is None else residual.cpu()
+    return (norm(x), x) if residual is None else norm(x, residual)
+
+
+@pytest.mark.parametrize("has_residual", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_norm_gemv_awkward_sizes(has_residual, fp8):
+    """RMSNorm(x + residual) fused into the loads, one pass of K (k <= BLOCK_K) or several; the
+    residual sum is returned bit for bit as the model's add rounds it."""
+    g = torch.Generator().manual_seed(10 + has_residual * 2 + fp8)
+    for n, k, config in ((37, 100, (4, 64, 4, 2)), (5, 300, (2, 512, 4, 3)), (19, 1000, (8, 256, 4, 2))):
+        x, res = (torch.randn(1, k, generator=g) * 3).half(), (torch.randn(1, k, generator=g) * 3).half()
+        res = res if has_residual else None
+        norm_w = (1 + torch.randn(k, generator=g) * 0.2).half()
+        w = torch.randn(n, k, generator=g) * 0.05
+        w, scale = quantize_fp8(w) if fp8 else (w.half(), None)
+        b = torch.randn(n, generator=g).half()
+        dev = [t if t is None else t.to(DEVICE) for t in (x, res, norm_w, w, scale, b)]
+        y, r = norm_gemv(dev[0], dev[1], dev[2], 1e-6, *dev[3:], config=config)
+        a, r_ref = normed(x, res, norm_w, 1e-6)
+        ref = reference(a, w, scale, b, False)
+        assert torch.equal(r.cpu(), r_ref)
+        assert y.shape == (1, n) and y.dtype == torch.float16
+        assert torch.allclose(y.cpu().double(), ref, rtol=2**-10, atol=2**-10 * ref.abs().max().item()), (n, k)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("k,n", [(1024, 4096), (4096, 6144)])
+def test_norm_linear_one_row_on_the_gpu(k, n):
+    """norm_linear at one row of bf16 (one fused kernel) against RMSNorm then the product (the
+    path of more rows), to bf16's rounding of the output (2^-8)."""
+    g = torch.Generator("cuda").manual_seed(k)
+    x, res = (torch.randn(2, 1, k, device="cuda", generator=g) * 3).bfloat16()
+    norm = RMSNorm(k).cuda().bfloat16()
+    norm.weight.data.normal_(1, 0.2, generator=g)
+    layer = ColumnParallelLinear(k, n, TensorParallel(), bias=True).cuda().bfloat16()
+    layer.weight.data.normal_(0, 0.02, generator=g)
+    layer.bias.data.normal_(0, 1, generator=g)
+    for residual in (None, res):
+        y, r = norm_linear(x, residual, norm, layer)
+        a, r_ref = (norm(x), x) if residual is None else norm(x, residual)
+        ref = a.double() @ layer.weight.double().t() + layer.bias.double()
+        assert torch.equal(r, r_ref)
+        assert torch.allclose(y.double(), ref, rtol=2**-8, atol=2**-8 * ref.abs().max().item())
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

@@ -1,43 +1,87 @@
 """One-row products y = x W^T + b (a decode step of one sequence) in one Triton kernel for bf16,
-fp16 and float8 weights, with SwiGLU's silu(gate) * up optionally computed while loading x.
+fp16 and float8 weights, with SwiGLU's silu(gate) * up, or the RMSNorm (and residual add) before
+the product, computed while loading x.
 
 At one row a product only streams its weights; cuBLAS then picks tensor-core tilings that leave
 bandwidth unused. Measured on an H100 (benchmarks/gemv.py; a CUDA graph of 28 layers' products,
 us per layer's four): Qwen3-0.6B 27.5 with cuBLAS, 19.6 with this kernel; Qwen3-8B 154.7 and
 134.3; Qwen3-8B's float8 weights 105.1 with the tensor-core W8A16 kernel, 86.4 with this one.
-Fusing silu * up into down_proj's loads saves one kernel per layer (9.0 -> 5.2 us at 0.6B);
-fusing the RMSNorm into qkv/gate_up's loads saved nothing, so it stays a kernel of its own.
+Fusing silu * up into down_proj's loads saves one kernel per layer (9.0 -> 5.2 us at 0.6B). The
+first weight tile is loaded before waiting for the previous kernel (weights never depend on it),
+which is what lets the RMSNorm's pass over x hide behind the weight loads (NOTES.md, 2026-11-25).
 """
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nanovllm.layers.pdl import pdl_args, pdl_start
+from nanovllm.layers.pdl import pdl_args
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, N, K, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _input(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, rk, k, K, inv_rms, GATED: tl.constexpr, NORM: tl.constexpr,
+           HAS_RESIDUAL: tl.constexpr):
+    """The product's input a[k:k + BLOCK_K] in float32, rounded to x's dtype where the torch layers
+    round it (see gemv_kernel)."""
+    k_mask = k + rk < K
+    if GATED:
+        gate = tl.load(x_ptr + k + rk, mask=k_mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + K + k + rk, mask=k_mask, other=0.0)
+        a = ((gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up).to(tl.float32)
+    elif NORM:
+        r = _residual_sum(x_ptr, res_ptr, k + rk, K, HAS_RESIDUAL)
+        if HAS_RESIDUAL and tl.program_id(0) == 0:
+            tl.store(res_out_ptr + k + rk, r, mask=k_mask)
+        normed = (r.to(tl.float32) * inv_rms).to(r.dtype).to(tl.float32)
+        a = (normed * tl.load(norm_w_ptr + k + rk, mask=k_mask, other=0.0).to(tl.float32)).to(r.dtype).to(tl.float32)
+    else:
+        a = tl.load(x_ptr + k + rk, mask=k_mask, other=0.0).to(tl.float32)
+    return a
+
+
+@triton.jit
+def _residual_sum(x_ptr, res_ptr, offs, K, HAS_RESIDUAL: tl.constexpr):
+    """x + residual at offs, summed in x's dtype (as the model adds them), or x alone."""
+    r = tl.load(x_ptr + offs, mask=offs < K, other=0.0)
+    if HAS_RESIDUAL:
+        r = (r.to(tl.float32) + tl.load(res_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)).to(r.dtype)
+    return r
+
+
+@triton.jit
+def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, N, K, eps,
+                SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+                HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N),): y [N] = (w [N, K] @ a) * scale + bias, one program per BLOCK_N rows
     of w streamed along K (contiguous loads, products in float32, summed along K once at the end;
-    no tensor cores). a = x [K], or with GATED silu(x[:K]) * x[K:] for x [2K], rounded to x's
-    dtype as silu_and_mul rounds it. scale [N] float32 (float8 weights: W = w * scale per row)."""
-    pdl_start(PDL)
+    no tensor cores). a = x [K]; with GATED silu(x[:K]) * x[K:] for x [2K], rounded to x's dtype
+    as silu_and_mul rounds it; with NORM RMSNorm(r) * norm_w for r = x + residual (HAS_RESIDUAL,
+    summed in x's dtype; program 0 writes it to res_out) or r = x, as layernorm.RMSNorm rounds
+    it: the mean of r^2 in float32 over a first pass of r. scale [N] float32 (float8 weights:
+    W = w * scale per row). With PDL the first weight tile is loaded before the wait for the
+    previous kernel, everything that kernel may write after it."""
+    if PDL:
+        gdc_launch_dependents()
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_mask = k + rk < K
-        if GATED:
-            gate = tl.load(x_ptr + k + rk, mask=k_mask, other=0.0).to(tl.float32)
-            up = tl.load(x_ptr + K + k + rk, mask=k_mask, other=0.0)
-            a = ((gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up).to(tl.float32)
-        else:
-            a = tl.load(x_ptr + k + rk, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=(rn[:, None] < N) & k_mask[None, :], other=0.0)
-        acc += w.to(tl.float32) * a[None, :]
+    w = tl.load(w_ptrs, mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+    if PDL:
+        gdc_wait()
+    inv_rms = 1.0
+    if NORM:
+        sq = tl.zeros((BLOCK_K,), tl.float32)
+        for k in range(0, K, BLOCK_K):
+            r = _residual_sum(x_ptr, res_ptr, k + rk, K, HAS_RESIDUAL).to(tl.float32)
+            sq += r * r
+        inv_rms = tl.rsqrt(tl.sum(sq, 0) / K + eps)
+    a = _input(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, rk, 0, K, inv_rms, GATED, NORM, HAS_RESIDUAL)
+    acc = w.to(tl.float32) * a[None, :]
+    for k in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
+        w = tl.load(w_ptrs, mask=(rn[:, None] < N) & (k + rk[None, :] < K), other=0.0)
+        a = _input(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, rk, k, K, inv_rms, GATED, NORM, HAS_RESIDUAL)
+        acc += w.to(tl.float32) * a[None, :]
     y = tl.sum(acc, 1)
     if SCALED:
         y *= tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
@@ -61,12 +105,31 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
     """x [..., K] with one row (bf16/fp16, CUDA; [..., 2K] = [gate | up] when gated) @ (weight [N, K]
     in x's dtype or float8 e4m3 times weight_scale [N] float32 per row)^T + bias [N] -> [..., N] in
     x's dtype. config: (BLOCK_N, BLOCK_K, num_warps, num_stages), by default gemv_config's."""
+    return _launch(x, weight, weight_scale, bias, config, gated=gated)
+
+
+def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+              weight: torch.Tensor, weight_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+              config: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """gemv(RMSNorm(r) * norm_weight) and r, for r = x + residual [..., K] (x alone when residual is
+    None; one row, x's dtype) as layernorm.RMSNorm computes it: (y [..., N], r [..., K])."""
+    x = x.contiguous()
+    r = x if residual is None else torch.empty_like(x)
+    y = _launch(x, weight, weight_scale, bias, config, norm=(residual, norm_weight, eps, r))
+    return y, r
+
+
+def _launch(x, weight, weight_scale, bias, config, gated=False, norm=None):
     n, k = weight.shape
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    residual, norm_weight, eps, res_out = norm or (None, None, 0.0, None)
     block_n, block_k, warps, stages = config or gemv_config(k, weight.dtype)
     gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, weight if weight_scale is None else weight_scale, weight if bias is None else bias, y, n, k,
-        SCALED=weight_scale is not None, HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_args(x.device))
+        x, weight, weight if weight_scale is None else weight_scale, weight if bias is None else bias, y,
+        x if residual is None else residual.contiguous(), x if norm is None else norm_weight,
+        x if res_out is None else res_out, n, k, eps,
+        SCALED=weight_scale is not None, HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None,
+        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        num_stages=stages, **pdl_args(x.device))
     return y

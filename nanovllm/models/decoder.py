@@ -10,7 +10,7 @@ from torch import nn
 from nanovllm.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, norm_linear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.parallel.state import TensorParallel
 
@@ -34,12 +34,15 @@ class DecoderAttention(nn.Module):
         rotary_emb = RotaryEmbedding(config, self.head_dim, config.max_position_embeddings)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, layer_idx, rotary_emb, norms, backend)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], -1)
+    def forward(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """qkv: qkv_proj's output (computed by the layer with the norm before it)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
 class DecoderMLP(nn.Module):
+    """SwiGLU's two products; DecoderLayer runs them (gate_up_proj with the norm before it)."""
+
     def __init__(self, config, tp: TensorParallel):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
@@ -47,9 +50,6 @@ class DecoderMLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], tp)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp, gated=True)  # silu(gate) * up first
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -62,13 +62,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, residual, meta: AttentionMetadata):
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        """Pre-norm: each norm (with the residual add) goes with the product after it (norm_linear)."""
+        qkv, residual = norm_linear(x, residual, self.input_layernorm, self.self_attn.qkv_proj)
+        x = self.self_attn(qkv, meta)
+        gate_up, residual = norm_linear(x, residual, self.post_attention_layernorm, self.mlp.gate_up_proj)
+        return self.mlp.down_proj(gate_up), residual
 
 
 class DecoderModel(nn.Module):
