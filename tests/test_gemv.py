@@ -1,8 +1,9 @@
 """The one-row product kernel (layers/gemv.py) against float64 products on awkward sizes: partial
 tiles in N and K, 16-bit and float8 weights, bias, and SwiGLU's silu(gate) * up or the RMSNorm
-(with the residual add) fused into the loads. Without CUDA it runs in Triton's interpreter, in float16 (the interpreter multiplies
-bfloat16 as integers); on CUDA also in bfloat16 at Qwen3-0.6B's and -8B's shapes through
-linear.linear, as the decode step of one sequence runs it."""
+(with the residual add) fused into the loads. Without CUDA it runs in Triton's interpreter, in
+float16 (the interpreter multiplies bfloat16 as integers); on CUDA also in bfloat16 at
+Qwen3-0.6B's and -8B's shapes through linear.linear and linear.norm_linear, as the decode step
+of one sequence runs them."""
 import pytest
 import torch
 
