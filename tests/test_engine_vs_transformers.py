@@ -37,17 +37,17 @@ def test_triton_backend_in_the_interpreter(tiny_model):
 
 
 def test_step_inputs_upload_aligned(tiny_qwen3):
-    """A step's index arrays go to the device packed into one buffer per dtype; each must come back
-    intact and start 16-byte aligned (Triton compiles a new kernel variant for unaligned pointers)."""
+    """A step's index arrays go to the device packed into one buffer; each must come back intact, in
+    its dtype, and start 16-byte aligned (Triton compiles a new kernel variant for unaligned pointers)."""
     import numpy as np
     import torch
     llm = LLM(tiny_qwen3[0], kvcache_block_size=16, device="cpu")
     arrays = [np.arange(5), np.arange(12).reshape(3, 4) - 7, np.zeros((0, 2), np.int64), np.array([9])]
-    for dtype in (torch.int32, torch.int64):
-        out = llm.engine.model_runner.stager.upload(arrays, dtype)
-        assert [o.dtype for o in out] == [dtype] * 4 and [tuple(o.shape) for o in out] == [a.shape for a in arrays]
-        assert all((o.numpy() == a).all() for o, a in zip(out, arrays))
-        assert all(o.data_ptr() % 16 == 0 for o in out)
+    dtypes = [torch.int32, torch.int64, torch.int32, torch.int32]
+    out = llm.engine.model_runner.stager.upload(arrays, dtypes)
+    assert [o.dtype for o in out] == dtypes and [tuple(o.shape) for o in out] == [a.shape for a in arrays]
+    assert all((o.numpy() == a).all() for o, a in zip(out, arrays))
+    assert all(o.data_ptr() % 16 == 0 for o in out)
 
 
 def test_chunked_prefill(tiny_model):

@@ -131,9 +131,12 @@ def test_fp8_on_the_gpu(qwen3_06b, fp8, reference_args, max_gap):
     prefill, 16-token blocks and prefix hits, against a reference engine of the same precision:
     for the cache the torch backend (eager; float32 attention over the same float8 cache, which
     both write alike: test_fused_kernels), for the weights the same engine eager (the same fp8
-    GEMMs). Most sequences equal token for token, and every token is close to the float32
-    model's argmax (wrong scales, a transposed operand or a stale graph buffer give arbitrary
-    tokens, several logits below it)."""
+    GEMMs). Every token is close to the float32 model's argmax, and where a sequence first
+    parts from the reference's, the float32 model finds the two tokens nearly tied (wrong
+    scales, a transposed operand or a stale graph buffer give arbitrary tokens, several logits
+    below it). How many sequences equal token for token is printed, not asserted: with random
+    weights near-ties are common, and any change of rounding (a norm, a GEMM's tiling) moves
+    that count (benchmarks/NOTES.md, 3-7 of 11 across sessions)."""
     import gc
 
     from nanovllm import LLM, SamplingParams
@@ -150,13 +153,15 @@ def test_fp8_on_the_gpu(qwen3_06b, fp8, reference_args, max_gap):
         gc.collect()
         torch.cuda.empty_cache()
     equal = sum(a.token_ids == b.token_ids for a, b in zip(*runs))
-    gaps = []
-    for p, o in zip(ps, runs[0]):
-        true = logits(exact_model, p + o.token_ids)[len(p) - 1:-1]
-        gaps.append((true.amax(-1) - true.gather(1, torch.tensor(o.token_ids, device="cuda")[:, None])[:, 0]).max().item())
+    gaps, ties = [], []
+    for p, a, b in zip(ps, *runs):
+        true = logits(exact_model, p + a.token_ids)[len(p) - 1:-1]
+        gaps.append((true.amax(-1) - true.gather(1, torch.tensor(a.token_ids, device="cuda")[:, None])[:, 0]).max().item())
+        parted = [i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y][:1]
+        ties += [abs(true[i, a.token_ids[i]] - true[i, b.token_ids[i]]).item() for i in parted]
     print(f"{fp8}: {equal}/{len(ps)} sequences equal the reference engine's; largest gap to the float32 argmax "
-          f"{max(gaps):.3f}")
-    assert equal >= len(ps) // 2 and max(gaps) < max_gap, (equal, gaps)
+          f"{max(gaps):.3f}; float32 logit gaps where they part {[round(t, 3) for t in ties]}")
+    assert max(gaps) < max_gap and max(ties, default=0) < max_gap, (gaps, ties)
 
 
 @pytest.mark.parametrize("m", [1, 7, 16, 17, 256, 1000])

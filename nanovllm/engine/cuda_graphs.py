@@ -1,7 +1,8 @@
-"""CUDA graphs of decode steps: one captured forward per batch size, replayed for any decode step
-of at most that many sequences. The attention backend owns the static metadata the graphs read
-(init_graph_state, graph_metadata, prepare_graph_replay); this module owns the token ids in and
-the hidden states out."""
+"""CUDA graphs of decode steps: one captured forward and LM head per batch size, replayed for any
+decode step of at most that many sequences. The attention backend owns the static metadata the
+graphs read (init_graph_state, graph_metadata, prepare_graph_replay); this module owns the token
+ids in, the hidden states and this rank's logits out (the LM head inside the graph costs the host
+no launch: ~0.1 ms a step at one sequence, NOTES.md 2026-11-24, third session)."""
 import torch
 
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
@@ -12,13 +13,14 @@ class CUDAGraphRunner:
     it with its workers' handle, which frees the graphs before the process group (see TPWorkers)."""
 
     def __init__(self, model, backend: AttentionBackend, max_num_seqs: int, max_blocks_per_seq: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device, graphs: dict):
+                 hidden_size: int, vocab_shard: int, dtype: torch.dtype, device: torch.device, graphs: dict):
         self.model, self.backend, self.graphs = model, backend, graphs
         self.batch_sizes = sorted({b for b in [1, 2, 4, 8, *range(16, max_num_seqs + 1, 16), max_num_seqs]
                                    if b <= max_num_seqs})
         max_bs = self.batch_sizes[-1]
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.outputs = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
+        self.logits = torch.zeros(max_bs, vocab_shard, dtype=dtype, device=device)  # 78 MB for 256 x 151,936 bf16
         backend.init_graph_state(max_bs, max_blocks_per_seq, device)
 
     @torch.inference_mode()
@@ -27,17 +29,18 @@ class CUDAGraphRunner:
         pool = None
         for bs in reversed(self.batch_sizes):
             meta = self.backend.graph_metadata(bs)
-            self.outputs[:bs] = self.model(self.input_ids[:bs], meta)  # warm-up (compiles)
+            self._forward(bs, meta)  # warm-up (compiles)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self.outputs[:bs] = self.model(self.input_ids[:bs], meta)
+                self._forward(bs, meta)
             pool = graph.pool()
             self.graphs[bs] = graph
-            # One-time costs of a batch size, paid here rather than in the first generate: a graph's
-            # first replay uploads it, and CUDA loads the LM head's GEMM kernel for it lazily.
-            graph.replay()
-            self.model.compute_logits(self.outputs[:bs])
+            graph.replay()  # a graph's first replay uploads it: paid here rather than in the first generate
             torch.cuda.synchronize()
+
+    def _forward(self, bs: int, meta: AttentionMetadata):
+        self.outputs[:bs] = self.model(self.input_ids[:bs], meta)
+        self.model.lm_head(self.outputs[:bs], out=self.logits[:bs])
 
     def batch_size_for(self, meta: AttentionMetadata) -> int | None:
         """The captured size that serves this step, or None (not a decode step, or too large)."""
@@ -46,10 +49,12 @@ class CUDAGraphRunner:
         n = meta.context_lens.size(0)
         return next((b for b in self.batch_sizes if b >= n), None)
 
-    def replay(self, batch_size: int, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The hidden states [n, hidden_size] of a decode step of n <= batch_size sequences."""
+    def replay(self, batch_size: int, input_ids: torch.Tensor,
+               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step of n <= batch_size sequences: (hidden states [n, hidden_size], this rank's
+        logits [n, vocab_shard]), views of static buffers that the next replay overwrites."""
         n = input_ids.size(0)
         self.input_ids[:n] = input_ids
         self.backend.prepare_graph_replay(meta)
         self.graphs[batch_size].replay()
-        return self.outputs[:n]
+        return self.outputs[:n], self.logits[:n]

@@ -4,8 +4,6 @@ import logging
 from collections.abc import Iterable
 from dataclasses import replace
 
-from torch.profiler import record_function
-
 from nanovllm.config import Config
 from nanovllm.engine.base import EngineBase
 from nanovllm.engine.block_manager import BlockManager
@@ -14,6 +12,7 @@ from nanovllm.engine.processor import Processor, Request
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PLACEHOLDER, SequenceStatus
 from nanovllm.engine.stop_checker import check_stop
+from nanovllm.engine.trace import region
 from nanovllm.outputs import RequestOutput
 from nanovllm.parallel.tp_workers import TPWorkers
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
@@ -92,7 +91,7 @@ class LLMEngine(EngineBase):
         PLACEHOLDER and the next step takes its value straight from the GPU. A sequence that
         stopped is found one step late; the one extra token computed for it is dropped.
         """
-        with record_function("scheduling"):
+        with region("scheduling"):
             scheduled = self.scheduler.schedule()
         prefill = [n for seq, n in scheduled if seq.num_computed_tokens - n < seq.num_prompt_tokens]
         self.num_prefill_tokens, self.num_decode_tokens = sum(prefill), len(scheduled) - len(prefill)

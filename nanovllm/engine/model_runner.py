@@ -7,7 +7,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import CUDAGraphRunner
@@ -15,6 +14,7 @@ from nanovllm.engine.kv_cache import KVCacheSpec, num_kv_blocks
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.sampling_inputs import TokenCounts, sampling_tensors
 from nanovllm.engine.step_inputs import Stager, StepPlan, plan_step
+from nanovllm.engine.trace import region
 from nanovllm.layers.attention import Attention, make_backend
 from nanovllm.layers.linear import quantize_weights
 from nanovllm.layers.sampler import Sampler, SamplingTensors, TokenLogprobs, token_logprobs
@@ -72,12 +72,14 @@ class ModelRunner:
         self.kv_cache = self.kv_spec.allocate(self.num_kvcache_blocks, self.device)
         self.backend.bind_kv_cache(self.kv_cache)
         if self.device.type == "cuda":
-            # allocating pinned memory per step would synchronize the device
-            self._pinned = [torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            # allocating pinned memory per step would synchronize the device; events are reused likewise
+            self._pinned = [(torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+                            for _ in range(2)]
             if not config.enforce_eager and self.backend.supports_cuda_graphs:
                 self.graph_runner = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs,
-                                                    self.max_blocks_per_seq, self.hf_config.hidden_size, self.dtype,
-                                                    self.device, workers.graphs if workers else {})
+                                                    self.max_blocks_per_seq, self.hf_config.hidden_size,
+                                                    self.model.lm_head.weight.size(0), self.dtype, self.device,
+                                                    workers.graphs if workers else {})
                 self.graph_runner.capture()
 
     def _build_model(self):
@@ -155,7 +157,7 @@ class ModelRunner:
         (no sampled row, no prompt logprobs). A token a
         sequence has not read back yet (PLACEHOLDER) is taken from the last launched step's
         sampled tokens on the device. forks, block_copies: sequences forked this step (see plan_step)."""
-        with record_function("prepare_inputs"):
+        with region("prepare_inputs"):
             plan, seqs, prompt_spans = plan_step(scheduled, self.block_size, self._prev_rows, forks, block_copies)
         if self.workers is None:
             logits, prompt_lp = self.execute(plan, self._prev_sampled)
@@ -169,7 +171,7 @@ class ModelRunner:
         if logits is None and prompt_lp is None:
             return None
         if logits is not None:
-            with record_function("sampling"):
+            with region("sampling"):
                 st = sampling_tensors(seqs, self.device, self.hf_config.vocab_size, self.config.eos_token_ids,
                                       prev_rows, prev_sampled, self.token_counts)
                 sampled, logprobs = self.sampler(logits, st)
@@ -179,12 +181,11 @@ class ModelRunner:
         if self.device.type != "cuda":
             return LaunchedStep(seqs, sampled, None, logprobs, prompt_lp and (prompt_spans, prompt_lp))
         self._pinned.reverse()  # two buffers in turn: at most two steps' tokens are unread at once
-        host = self._pinned[0][:len(seqs)]
+        host, event = self._pinned[0][0][:len(seqs)], self._pinned[0][1]
         if sampled is not None:
             host.copy_(sampled, non_blocking=True)
         logprobs, prompt_lp = (x.to("cpu", non_blocking=True) if x is not None else None for x in (logprobs, prompt_lp))
-        event = torch.cuda.Event()
-        event.record()
+        event.record(self.stager.stream)
         return LaunchedStep(seqs, host, event, logprobs, prompt_lp and (prompt_spans, prompt_lp))
 
     def read_tokens(self, step: LaunchedStep) -> list[int]:
@@ -201,7 +202,7 @@ class ModelRunner:
         """Run the forward of one step on this rank; returns, on rank 0, the logits of
         plan.sample_rows and the TokenLogprobs of plan.prompt_rows (each None when there are none;
         both None on the other ranks)."""
-        with record_function("prepare_inputs"):
+        with region("prepare_inputs"):
             tensors = self.stager.upload_plan(plan)
             meta = self.backend.build_metadata(plan, tensors)
             if plan.input_ids is None:  # a tensor-parallel worker: rank 0 broadcasts the ids
@@ -213,23 +214,26 @@ class ModelRunner:
                     input_ids[index] = prev_sampled[rows]
             if self.world_size > 1:
                 dist.broadcast(input_ids, 0)
-        with record_function("forward"):
+        with region("forward"):
             graph_bs = self.graph_runner.batch_size_for(meta) if self.graph_runner else None
             if graph_bs is None:
-                hidden = self.model(input_ids, meta)
-            else:
-                hidden = self.graph_runner.replay(graph_bs, input_ids, meta)
+                hidden, logits = self.model(input_ids, meta), None
+            else:  # the graph computes every row's logits (this rank's slice)
+                hidden, logits = self.graph_runner.replay(graph_bs, input_ids, meta)
         if len(plan.block_copies):  # forked sequences' own copy of a shared, partial block, written just now
             src, dst = torch.from_numpy(plan.block_copies).to(self.device).unbind(1)
             self.kv_cache.copy_blocks(src, dst)
         prompt_lp = self._prompt_logprobs(plan, hidden, tensors) if len(plan.prompt_rows) else None
         if not len(plan.sample_rows):
             return None, prompt_lp
-        with record_function("compute_logits"):
+        with region("compute_logits"):
             rows = plan.sample_rows  # every row once (a decode step) needs no gather
-            if len(rows) != hidden.size(0) or not np.array_equal(rows, np.arange(len(rows))):
-                hidden = hidden[tensors["sample_rows"]]
-            return self.model.compute_logits(hidden), prompt_lp
+            gather_rows = len(rows) != hidden.size(0) or not np.array_equal(rows, np.arange(len(rows)))
+            if logits is None:
+                logits = self.model.lm_head(hidden[tensors["sample_rows"]] if gather_rows else hidden)
+            elif gather_rows:
+                logits = logits[tensors["sample_rows"]]
+            return self.model.lm_head.gather(logits), prompt_lp
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor, tensors: dict) -> TokenLogprobs | None:
         """The raw logprobs of the prompt tokens after plan.prompt_rows (vLLM's prompt_logprobs), with

@@ -80,38 +80,41 @@ def plan_step(scheduled: list[tuple[Sequence, int]], block_size: int, prev_rows:
 
 
 class Stager:
-    """Copies a step's host arrays to the device, one transfer per dtype. On CUDA they are packed
-    into one of two pinned buffers per dtype, used in turn, and copied asynchronously; a buffer is
-    refilled only after its last copy has run (its event), since steps that sample nothing
-    (prompt chunks) and tensor-parallel workers may run ahead of the GPU. Every array starts
-    16-byte aligned: Triton compiles a kernel anew for a pointer that is not."""
+    """Copies a step's host arrays to the device in one transfer. On CUDA they are packed into one
+    of two pinned buffers, used in turn, and copied asynchronously; a buffer is refilled only after
+    its last copy has run (its event), since steps that sample nothing (prompt chunks) and
+    tensor-parallel workers may run ahead of the GPU. Every array starts 16-byte aligned: Triton
+    compiles a kernel anew for a pointer that is not."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._slots: dict[torch.dtype, list] = {}  # dtype -> two [pinned buffer, event]
+        if device.type == "cuda":
+            self.stream = torch.cuda.current_stream(device)  # Event.record() would look it up: ~30 us
+            self._slots = [[torch.empty(0, dtype=torch.uint8), torch.cuda.Event()] for _ in range(2)]
 
-    def upload(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
-        """The host arrays on the device as `dtype`, in one transfer."""
-        align = 16 // dtype.itemsize
-        starts = np.cumsum([0] + [-(-a.size // align) * align for a in arrays])
-        total = int(starts[-1])
+    def upload(self, arrays: list[np.ndarray], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+        """The host arrays on the device, each as its dtype (values cast as numpy casts them)."""
+        nbytes = [a.size * d.itemsize for a, d in zip(arrays, dtypes)]
+        starts = [0]
+        for n in nbytes:
+            starts.append(starts[-1] + -(-n // 16) * 16)
+        total = starts[-1]
         if self.device.type != "cuda":
-            flat = torch.empty(total, dtype=dtype)
+            flat = torch.empty(total, dtype=torch.uint8)
             host = flat.numpy()
         else:
-            slots = self._slots.setdefault(dtype, [[torch.empty(0, dtype=dtype), torch.cuda.Event()] for _ in range(2)])
-            slots.reverse()
-            slot = slots[0]
+            self._slots.reverse()
+            slot = self._slots[0]
             slot[1].synchronize()
             if slot[0].numel() < total:  # grows during the start-up warm-up (the largest step), rarely later
-                slot[0] = torch.empty(2 * total, dtype=dtype, pin_memory=True)
+                slot[0] = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)
             host = slot[0].numpy()
-        for a, start in zip(arrays, starts):
-            host[start:start + a.size] = a.ravel()
+        for a, d, start, n in zip(arrays, dtypes, starts, nbytes):
+            host[start:start + n].view(_NUMPY[d])[:] = a.ravel()
         if self.device.type == "cuda":
             flat = slot[0][:total].to(self.device, non_blocking=True)
-            slot[1].record()
-        return [flat[start:start + a.size].view(a.shape) for a, start in zip(arrays, starts)]
+            slot[1].record(self.stream)
+        return [flat[start:start + n].view(d).view(a.shape) for a, d, start, n in zip(arrays, dtypes, starts, nbytes)]
 
     def upload_plan(self, plan: StepPlan) -> dict[str, torch.Tensor]:
         """Every array of the plan on the device, by field name (StepPlan.INT32 as int32, the rest
@@ -119,8 +122,8 @@ class Stager:
         names = [n for n in ("input_ids", "pending", "positions", "slot_mapping", "sample_rows", "prompt_rows",
                              "prompt_targets", *StepPlan.INT32)
                  if getattr(plan, n) is not None]
-        int32 = [n for n in names if n in StepPlan.INT32]
-        int64 = [n for n in names if n not in StepPlan.INT32]
-        tensors = dict(zip(int32, self.upload([getattr(plan, n) for n in int32], torch.int32)))
-        tensors.update(zip(int64, self.upload([getattr(plan, n) for n in int64], torch.int64)))
-        return tensors
+        dtypes = [torch.int32 if n in StepPlan.INT32 else torch.int64 for n in names]
+        return dict(zip(names, self.upload([getattr(plan, n) for n in names], dtypes)))
+
+
+_NUMPY = {torch.int32: np.int32, torch.int64: np.int64}

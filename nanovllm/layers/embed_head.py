@@ -3,6 +3,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.linear import one_row
 from nanovllm.parallel.state import TensorParallel
 
 
@@ -40,13 +41,19 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection to the vocabulary; each rank computes its slice of the logits and
-    rank 0 gathers them. forward(hidden [N, hidden_size]) -> logits [N, vocab_size] (rank 0)."""
+    """Output projection to the vocabulary. forward(hidden [N, hidden_size]) -> this rank's slice of
+    the logits [N, vocab_size / tp_size] (written to out when given: a decode graph's static buffer);
+    gather(that slice) -> the logits [N, vocab_size] on rank 0, None on the others."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if one_row(x):  # a decode step of one sequence: the GEMV kernel, not cuBLAS's tensor-core tiles
+            from nanovllm.layers.gemv import gemv
+            return gemv(x, self.weight, out=out)
+        return F.linear(x, self.weight) if out is None else torch.matmul(x, self.weight.t(), out=out)
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor | None:
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-        dist.gather(logits, parts, 0)
+        dist.gather(logits.contiguous(), parts, 0)
         return torch.cat(parts, -1)[:, :self.num_embeddings] if self.tp_rank == 0 else None

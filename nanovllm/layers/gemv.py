@@ -102,11 +102,12 @@ def gemv_config(k: int, weight_dtype: torch.dtype) -> tuple[int, int, int, int]:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
          bias: torch.Tensor | None = None, gated: bool = False,
-         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+         config: tuple[int, int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] with one row (bf16/fp16, CUDA; [..., 2K] = [gate | up] when gated) @ (weight [N, K]
     in x's dtype or float8 e4m3 times weight_scale [N] float32 per row)^T + bias [N] -> [..., N] in
-    x's dtype. config: (BLOCK_N, BLOCK_K, num_warps, num_stages), by default gemv_config's."""
-    return _launch(x, weight, weight_scale, bias, config, gated=gated)
+    x's dtype, written to out (contiguous) when given. config: (BLOCK_N, BLOCK_K, num_warps,
+    num_stages), by default gemv_config's."""
+    return _launch(x, weight, weight_scale, bias, config, gated=gated, out=out)
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -120,10 +121,10 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     return y, r
 
 
-def _launch(x, weight, weight_scale, bias, config, gated=False, norm=None):
+def _launch(x, weight, weight_scale, bias, config, gated=False, norm=None, out=None):
     n, k = weight.shape
     x = x.contiguous()
-    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device) if out is None else out
     residual, norm_weight, eps, res_out = norm or (None, None, 0.0, None)
     block_n, block_k, warps, stages = config or gemv_config(k, weight.dtype)
     gemv_kernel[(triton.cdiv(n, block_n),)](

@@ -18,7 +18,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.parallel.state import TensorParallel
 
 
-def _one_row(x: torch.Tensor) -> bool:
+def one_row(x: torch.Tensor) -> bool:
     """A decode step of one sequence in bf16/fp16 on CUDA: gemv.py's kernels take its products."""
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.numel() == x.size(-1)
 
@@ -29,7 +29,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
     else a = x), weight [out, in] in x's dtype or float8 with weight_scale [out] -> [..., out].
     One row of bf16/fp16 on CUDA (a decode step of one sequence): gemv.gemv, the gate fused into
     its loads; otherwise F.linear, or fp8_linear for a float8 weight."""
-    if _one_row(x):
+    if one_row(x):
         from nanovllm.layers.gemv import gemv
         return gemv(x, weight, weight_scale, bias, gated)
     if gated:
@@ -42,7 +42,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
     """A pre-norm block's first product: (layer(norm(r)), r) for r = x + residual, or r = x when
     residual is None; x, residual: [num_tokens, hidden_size]. One row of bf16/fp16 on CUDA: one
     gemv.norm_gemv kernel, the norm computed while loading x; otherwise RMSNorm, then the layer."""
-    if _one_row(x):
+    if one_row(x):
         from nanovllm.layers.gemv import norm_gemv
         return norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, layer.weight_scale, layer.bias)
     x, residual = (norm(x), x) if residual is None else norm(x, residual)

@@ -109,7 +109,7 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.lm_head(hidden)
+        return self.lm_head.gather(self.lm_head(hidden))
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
