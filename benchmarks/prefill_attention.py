@@ -6,7 +6,6 @@ import argparse
 import torch
 from triton.testing import do_bench
 
-from nanovllm.layers.attention.torch_backend import TorchBackend
 from nanovllm.layers.attention.triton_backend import prefill_attention
 
 
@@ -24,8 +23,9 @@ def main():
     tables = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(n, -1)
     positions = torch.arange(L, device="cuda")
     slots = (tables.long()[:, positions // bs] * bs + positions % bs).flatten()
-    k = torch.randn(n * L, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    TorchBackend.store_kvcache(k, torch.randn_like(k), k_cache, v_cache, slots)
+    for cache in (k_cache, v_cache):
+        cache.view(-1, kv_heads, head_dim)[slots] = torch.randn(n * L, kv_heads, head_dim, device="cuda",
+                                                                 dtype=torch.bfloat16)
     q = torch.randn(n * L, heads, head_dim, device="cuda", dtype=torch.bfloat16)
     cu = torch.arange(0, n * L + 1, L, device="cuda", dtype=torch.int32)
     lens = torch.full((n,), L, device="cuda", dtype=torch.int32)

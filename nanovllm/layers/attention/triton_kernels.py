@@ -24,10 +24,11 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, kv_head, n0,
                  in_range, valid, offs_d, scale_log2, BLOCK_SIZE: tl.constexpr, stride_kb, stride_kt, stride_kh,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr, MASKED: tl.constexpr = True):
     """Fold one tile of keys (positions n0 + [0, BLOCK_N), n0 a multiple of BLOCK_N, loaded where
     in_range [N]; `valid` [M, N] says which query may see which key) into the running (acc, m, l)
-    of the queries q [M, D] (fp16 when SCALED, unless float32)."""
+    of the queries q [M, D] (fp16 when SCALED, unless float32). Not MASKED: every query sees every
+    key of the tile (in_range all true, valid unused), so no masks and no row without a key."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if BLOCK_SIZE % BLOCK_N == 0:  # the tile lies in one block
         block = tl.load(table_ptr + n0 // BLOCK_SIZE).to(tl.int64)
@@ -35,17 +36,22 @@ def _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_pt
     else:
         block = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
         rows = block * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
-    k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
-    v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+    if MASKED:
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :])
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :])
     if SCALED:  # contiguous caches: a head vector's scale sits at its row / HEAD_DIM
         k_scale = tl.load(k_scale_ptr + rows // HEAD_DIM, mask=in_range, other=0.0)
         v_scale = tl.load(v_scale_ptr + rows // HEAD_DIM, mask=in_range, other=0.0)
         s = tl.dot(q, tl.trans(k.to(q.dtype))) * (k_scale * scale_log2)[None, :]
     else:
         s = tl.dot(q, tl.trans(k)) * scale_log2
-    s = tl.where(valid, s, float("-inf"))
+    if MASKED:
+        s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new) if MASKED else m_new  # rows that saw no key yet
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m - m_safe)
     l = l * alpha + tl.sum(p, 1)
@@ -85,7 +91,15 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_sca
     l = tl.zeros([BLOCK_M], tl.float32)
     table_ptr = block_tables_ptr + seq * stride_bt
     end = tl.minimum(ctx_len, ctx_len - q_len + (pid_m + 1) * BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):
+    # tiles wholly at or before the tile's first query need no mask (FlashAttention-2's split of
+    # the causal loop); the rest, up to the diagonal, are masked
+    unmasked_end = (ctx_len - q_len + pid_m * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+    every_key = tl.full([BLOCK_N], True, tl.int1)
+    for n0 in range(0, unmasked_end, BLOCK_N):
+        acc, m, l = _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr,
+                                 head // GROUP, n0, every_key, None, offs_d, scale_log2, BLOCK_SIZE, stride_kb,
+                                 stride_kt, stride_kh, HEAD_DIM, BLOCK_N, SCALED, MASKED=False)
+    for n0 in range(unmasked_end, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_range = offs_n < end
         valid = (offs_n[None, :] <= q_pos[:, None]) & in_range[None, :]
