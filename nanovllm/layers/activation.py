@@ -1,8 +1,10 @@
 import torch
 import torch.nn.functional as F
 
+from nanovllm.layers.token_compile import token_compile
 
-@torch.compile(dynamic=True, disable=not torch.cuda.is_available())
+
+@token_compile
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gate (Shazeer 2020): x = [gate | up] along the last dim -> silu(gate) * up.
 

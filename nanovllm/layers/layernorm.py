@@ -1,6 +1,8 @@
 import torch
 from torch import nn
 
+from nanovllm.layers.token_compile import token_compile
+
 
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019) as in Llama/Qwen: x / sqrt(mean(x^2) + eps) * weight, computed in float32.
@@ -18,7 +20,7 @@ class RMSNorm(nn.Module):
         var = x.pow(2).mean(dim=-1, keepdim=True)
         return (x * torch.rsqrt(var + self.eps)).to(dtype) * self.weight
 
-    @torch.compile(dynamic=True, disable=not torch.cuda.is_available())
+    @token_compile
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         dtype = x.dtype
         if residual is None:
