@@ -88,3 +88,21 @@ def test_preemption_with_chunks_and_shared_prefixes(tiny_qwen3, prefix_caching):
     prompts = [shared + t for t in random_prompts([5, 25, 1, 12], seed=6)]
     check_against_hf(llm, hf_model, prompts, max_tokens=30)
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_profiler_regions(tiny_qwen3):
+    """Under torch.profiler a step's named regions (engine/trace.py) are recorded; outside one no
+    record_function is entered (it costs ~18 us a use), and either way the tokens are the same."""
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanovllm.engine.trace import region
+    assert isinstance(region("forward"), contextlib.nullcontext)
+    llm = LLM(tiny_qwen3[0], kvcache_block_size=16, device="cpu")
+    prompts = random_prompts([9, 20], seed=3)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        profiled = llm.generate(prompts, GREEDY, use_tqdm=False)
+    names = {event.name for event in prof.events()}
+    assert {"scheduling", "prepare_inputs", "forward", "compute_logits", "sampling"} <= names, names
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == [o.token_ids for o in profiled]
