@@ -181,7 +181,8 @@ class ModelRunner:
         if self.device.type != "cuda":
             return LaunchedStep(seqs, sampled, None, logprobs, prompt_lp and (prompt_spans, prompt_lp))
         self._pinned.reverse()  # two buffers in turn: at most two steps' tokens are unread at once
-        host, event = self._pinned[0][0][:len(seqs)], self._pinned[0][1]
+        buffer, event = self._pinned[0]
+        host = buffer[:len(seqs)]
         if sampled is not None:
             host.copy_(sampled, non_blocking=True)
         logprobs, prompt_lp = (x.to("cpu", non_blocking=True) if x is not None else None for x in (logprobs, prompt_lp))
