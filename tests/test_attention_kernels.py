@@ -83,7 +83,10 @@ def test_prefill_kernel(dtype, block_size, group, head_dim, fp8):
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("dtype,block_size,group,head_dim", CASES)
 @pytest.mark.parametrize("num_seqs", [1, 5, 64] if CUDA else [3])
-def test_decode_kernel(dtype, block_size, group, head_dim, num_seqs, fp8):
+def test_decode_kernel(dtype, block_size, group, head_dim, num_seqs, fp8, monkeypatch):
+    empty = torch.empty  # the split partials start as NaN: splits without keys are never written nor read
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan"))
+                        if kw.get("dtype") == torch.float32 else empty(*a, **kw))
     gen = torch.Generator().manual_seed(num_seqs * 7 + group)
     num_kv_heads = 2 if group == 8 else 4
     max_len = 1500 if CUDA else 40
@@ -110,3 +113,57 @@ def test_decode_kernel_zero_length_rows_give_zeros():
     for splits in (1, 4):
         out = decode_attention(q, k, v, lens, tables, 0.25, num_splits=splits)
         assert torch.equal(out[1], torch.zeros_like(out[1])) and not out.isnan().any()
+
+
+class _RopeCfg:
+    rope_theta = 1e6
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype,block_size,group,head_dim", CASES[:4])
+def test_decode_kernel_with_the_new_token_inside(dtype, block_size, group, head_dim, norm, fp8):
+    """new_token: the kernel norms and rotates q and k and stores k, v itself; the cache must equal
+    what qk_norm_rope stores (bit for bit) and the output the float32 attention over that cache
+    with qk_norm_rope's q. Also a padding row (context 0, slot -1): zeros, nothing stored."""
+    from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    gen = torch.Generator().manual_seed(group * head_dim + 2 * norm + fp8)
+    num_kv_heads, max_len = 2, (1500 if CUDA else 40)
+    context_lens = torch.randint(1, max_len, (4,), generator=gen).tolist() + [0]
+    context_lens[0] = max_len - 1
+    k_cache, v_cache, tables, kv_scales = make_cache(context_lens, block_size, num_kv_heads, head_dim, dtype, gen, fp8)
+    n, heads = len(context_lens), num_kv_heads * group
+    qkv = torch.randn(n, (heads + 2 * num_kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
+    q, k, v = qkv.split([heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    q, k, v = (x.view(n, -1, head_dim) for x in (q, k, v))
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    positions = (lens - 1).clamp(min=0).long()
+    slots = torch.tensor([int(tables[i, (c - 1) // block_size]) * block_size + (c - 1) % block_size if c else -1
+                          for i, c in enumerate(context_lens)], device=DEVICE)
+    for cache in (k_cache, v_cache) + (kv_scales or ()):  # the new token's slots: NaN until written
+        cache.view(-1, num_kv_heads, *cache.shape[3:])[slots[:-1]] = float("nan")
+    rope = RotaryEmbedding(_RopeCfg(), head_dim, 4096).to(DEVICE)
+    weights = tuple(torch.randn(head_dim, generator=gen).to(DEVICE, dtype) for _ in range(2)) if norm else (None, None)
+    scale = head_dim ** -0.5
+    caches = (k_cache, v_cache) + (kv_scales or (None, None))
+    ref_caches = tuple(None if c is None else c.clone() for c in caches)
+    q_ref, k_ref = q.clone(), k.clone()
+    qk_norm_rope(positions, q_ref, k_ref, rope.cos_sin_cache, *weights, 1e-6, kv_cache=(v, *ref_caches, slots))
+    ref = reference(q_ref, ref_caches[0], ref_caches[1], torch.arange(n + 1, dtype=torch.int32, device=DEVICE), lens,
+                    tables, scale, None if kv_scales is None else ref_caches[2:])
+    q_before, poisoned = q.clone(), tuple(None if c is None else c.clone() for c in caches)
+    for splits in (None, 1, 4):
+        for c, p in zip(caches, poisoned):
+            if c is not None:
+                c.copy_(p)
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, k_cache, v_cache, lens, tables, scale, num_splits=splits, out=out, kv_scales=kv_scales,
+                         new_token=(k, v, positions, rope.cos_sin_cache, *weights, 1e-6, slots))
+        assert rel_err(out[:-1], ref[:-1]) < TOL[dtype], f"num_splits={splits}"
+        assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+        for ours, theirs in zip(caches, ref_caches):
+            if ours is not None:
+                a, b = ours.float().nan_to_num(7.0), theirs.float().nan_to_num(7.0)
+                assert torch.equal(a, b), (int((a != b).sum()), a[a != b][:4].tolist(), b[a != b][:4].tolist())
+        assert torch.equal(q, q_before)  # q is read, not rotated in place

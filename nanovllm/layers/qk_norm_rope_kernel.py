@@ -12,15 +12,11 @@ from nanovllm.layers.pdl import pdl_args, pdl_start
 
 
 @triton.jit
-def _norm_rope_heads(x_ptr, row, weight_ptr, cos, sin, eps, NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-                     HALF: tl.constexpr, NORM: tl.constexpr):
-    heads = tl.arange(0, HEADS_PAD)[:, None]
+def norm_rope(x1, x2, weight_ptr, cos, sin, eps, HALF: tl.constexpr, NORM: tl.constexpr):
+    """Head vectors given as halves x1, x2 [H, HALF] (model dtype) -> the halves after the optional
+    RMSNorm (weight [2 * HALF]) and the rotation by cos, sin [1, HALF] (float32)."""
+    dtype = x1.dtype
     d = tl.arange(0, HALF)[None, :]
-    mask = heads < NUM_HEADS
-    ptr = x_ptr + row + heads * (2 * HALF) + d
-    dtype = x_ptr.dtype.element_ty
-    x1 = tl.load(ptr, mask=mask, other=0.0)
-    x2 = tl.load(ptr + HALF, mask=mask, other=0.0)
     # Every step is rounded to the model dtype where transformers' bf16/fp16 forward rounds it.
     if NORM:
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
@@ -30,26 +26,37 @@ def _norm_rope_heads(x_ptr, row, weight_ptr, cos, sin, eps, NUM_HEADS: tl.conste
     cos, sin = cos.to(dtype), sin.to(dtype)
     y1 = ((x1 * cos).to(dtype) - (x2 * sin).to(dtype)).to(dtype)
     y2 = ((x2 * cos).to(dtype) + (x1 * sin).to(dtype)).to(dtype)
+    return y1, y2
+
+
+@triton.jit
+def _norm_rope_heads(x_ptr, row, weight_ptr, cos, sin, eps, NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+                     HALF: tl.constexpr, NORM: tl.constexpr):
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    mask = heads < NUM_HEADS
+    ptr = x_ptr + row + heads * (2 * HALF) + d
+    x1 = tl.load(ptr, mask=mask, other=0.0)
+    x2 = tl.load(ptr + HALF, mask=mask, other=0.0)
+    y1, y2 = norm_rope(x1, x2, weight_ptr, cos, sin, eps, HALF, NORM)
     tl.store(ptr, y1, mask=mask)
     tl.store(ptr + HALF, y2, mask=mask)
     return y1, y2
 
 
 @triton.jit
-def _store_heads(cache_ptr, scale_ptr, row, slot, x1, x2, NUM_K_HEADS: tl.constexpr, K_PAD: tl.constexpr,
-                 HALF: tl.constexpr, SCALED: tl.constexpr):
-    """Write one token's head vectors (halves x1, x2 [K_PAD, HALF]) at cache offsets row; with
-    SCALED, as float8 x / scale with scale = max|x| * (1 / 448) per head (quantize_fp8's arithmetic)."""
-    mask = tl.arange(0, K_PAD)[:, None] < NUM_K_HEADS
+def store_heads(cache_ptr, scale_ptr, row, scale_offs, mask, x1, x2, HALF: tl.constexpr, SCALED: tl.constexpr):
+    """Write head vectors (halves x1, x2 [H, HALF], the heads where mask [H]) at cache offsets row
+    [H, HALF]; with SCALED, as float8 x / scale with scale = max|x| * (1 / 448) per head
+    (quantize_fp8's arithmetic), the scales at scale_ptr + scale_offs [H]."""
     if SCALED:
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(f1), 1), tl.max(tl.abs(f2), 1))
         scale = tl.maximum(amax, 1e-30) * (1.0 / 448.0)
         x1, x2 = _quantize_e4m3(f1, scale[:, None]), _quantize_e4m3(f2, scale[:, None])
-        heads = tl.arange(0, K_PAD)
-        tl.store(scale_ptr + slot * NUM_K_HEADS + heads, scale, mask=heads < NUM_K_HEADS)
-    tl.store(cache_ptr + row, x1.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(cache_ptr + row + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + scale_offs, scale, mask=mask)
+    tl.store(cache_ptr + row, x1.to(cache_ptr.dtype.element_ty), mask=mask[:, None])
+    tl.store(cache_ptr + row + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask[:, None])
 
 
 @triton.jit
@@ -76,11 +83,13 @@ def qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, 
             heads = tl.arange(0, K_PAD)[:, None]
             mask = heads < NUM_K_HEADS
             row = slot * (NUM_K_HEADS * 2 * HALF) + heads * (2 * HALF) + d
-            _store_heads(k_cache_ptr, k_scale_ptr, row, slot, k1, k2, NUM_K_HEADS, K_PAD, HALF, SCALED)
+            scale_offs = slot * NUM_K_HEADS + tl.arange(0, K_PAD)
+            head_mask = tl.arange(0, K_PAD) < NUM_K_HEADS
+            store_heads(k_cache_ptr, k_scale_ptr, row, scale_offs, head_mask, k1, k2, HALF, SCALED)
             v_row = v_ptr + t.to(tl.int64) * stride_v + heads * (2 * HALF) + d
             v1 = tl.load(v_row, mask=mask)
             v2 = tl.load(v_row + HALF, mask=mask)
-            _store_heads(v_cache_ptr, v_scale_ptr, row, slot, v1, v2, NUM_K_HEADS, K_PAD, HALF, SCALED)
+            store_heads(v_cache_ptr, v_scale_ptr, row, scale_offs, head_mask, v1, v2, HALF, SCALED)
 
 
 def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,

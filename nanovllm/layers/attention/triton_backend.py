@@ -60,12 +60,16 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) ->
 
 
 def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num_splits=None, out=None,
-                     kv_scales=None, block_n=DECODE_BLOCK_N, num_warps=None, num_stages=2):
+                     kv_scales=None, block_n=DECODE_BLOCK_N, num_warps=None, num_stages=2, new_token=None):
     """Attention of one new token per sequence, q: [num_seqs, num_heads, head_dim], over its
     context_lens[i] cached keys; context length 0 gives zeros (padding rows of CUDA graphs).
     kv_scales: (k_scales, v_scales) of a float8 cache, else None. num_warps: by default 4, or 2 for
     a float8 cache (the fastest of a sweep of tile variants on an H100 at batch 256, NOTES.md
-    2026-11-24)."""
+    2026-11-24). new_token: None (q final, the token's k and v already in the cache), or (k
+    [num_seqs, num_kv_heads, head_dim], v (same), positions [num_seqs] int64, cos_sin_cache,
+    q_weight, k_weight, eps, slot_mapping [num_seqs]) as qk_norm_rope takes them: q and k are
+    then normed (weights not None) and rotated, and k, v stored at slot_mapping, inside the
+    kernel; q is not written."""
     out = torch.empty_like(q) if out is None else out
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.size(2)
@@ -76,28 +80,44 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num
         acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
     caches, strides = _cache_args(k_cache, v_cache, kv_scales)
+    k, v, positions, cos_sin, q_weight, k_weight, eps, slots = new_token or (q, q, context_lens, q, None, None, 0.0,
+                                                                           context_lens)
+    if new_token is not None:
+        assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == head_dim
+        assert kv_scales is None or k_cache.is_contiguous()
     decode_attention_kernel[(num_kv_heads, num_seqs, splits)](
         q, *caches, out, acc, ml, context_lens, block_tables, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
+        k, v, k.stride(0), v.stride(0), positions, cos_sin, q if q_weight is None else q_weight,
+        q if k_weight is None else k_weight, eps, slots, ROPE=new_token is not None, NORM=q_weight is not None,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.size(1),
         BLOCK_N=block_n, NUM_SPLITS=splits, SCALED=kv_scales is not None,
         num_warps=num_warps or (4 if kv_scales is None else 2), num_stages=num_stages, **pdl_args(q.device))
     if splits > 1:
-        reduce_splits_kernel[(num_seqs, num_heads)](out, acc, ml, out.stride(0), out.stride(1),
-                                                    HEAD_DIM=head_dim, NUM_SPLITS=splits, **pdl_args(q.device))
+        reduce_splits_kernel[(num_seqs, num_heads)](out, acc, ml, context_lens, out.stride(0), out.stride(1),
+                                                    HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_N=block_n,
+                                                    **pdl_args(q.device))
     return out
 
 
 class TritonBackend(AttentionBackend):
-    """The Triton kernels: one fused kernel for the per-head norms, rotary embedding and K/V store,
-    then paged prefill or split-KV decode attention."""
+    """The Triton kernels: for prefill one fused kernel for the per-head norms, rotary embedding and
+    K/V store, then paged prefill attention; for decode split-KV attention that does that work
+    itself (with a bf16/fp16 cache)."""
     name = "triton"
     supports_cuda_graphs = True  # launch shapes depend only on the batch size
 
     def forward(self, layer, q, k, v, meta):
         norms = layer.qk_norms
-        weights = (norms[0].weight, norms[1].weight, norms[0].eps) if norms else ()
+        weights = (norms[0].weight, norms[1].weight, norms[0].eps) if norms else (None, None, 0.0)
         i = layer.layer_idx
+        if meta.is_decode and self.k_scales[i] is None:
+            # the norms, rotation and K/V store inside the attention kernel: one kernel fewer per layer
+            # (H100: decode graph of 1 sequence 930 -> 880 us, of 8 1360 -> 1247). Not with a float8
+            # cache: bench.py --kv-cache-dtype fp8 ran ~2.5% slower so (NOTES.md, 2026-11-25).
+            return decode_attention(q, self.k_caches[i], self.v_caches[i], meta.context_lens, meta.block_tables,
+                                    layer.scale, new_token=(k, v, meta.positions, layer.rotary_emb.cos_sin_cache,
+                                                            *weights, meta.slot_mapping))
         qk_norm_rope(meta.positions, q, k, layer.rotary_emb.cos_sin_cache, *weights,
                      kv_cache=(v, self.k_caches[i], self.v_caches[i], self.k_scales[i], self.v_scales[i],
                                meta.slot_mapping))

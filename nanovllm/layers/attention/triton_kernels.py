@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers.pdl import pdl_start
+from nanovllm.layers.qk_norm_rope_kernel import norm_rope, store_heads
 
 LOG2E = 1.4426950408889634
 
@@ -111,30 +112,80 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_sca
              o.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
 
+@triton.jit
+def _new_token(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, positions_ptr, cos_sin_ptr,
+               q_weight_ptr, k_weight_ptr, eps, slot_ptr, seq, kv_head, heads, head_mask, stride_qt, stride_qh,
+               stride_knt, stride_vnt, stride_kb, stride_kt, stride_kh, store, HEAD_DIM: tl.constexpr,
+               BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr):
+    """This program's query heads [BLOCK_G, HEAD_DIM] after the optional RMSNorm and the rotation
+    (qk_norm_rope's arithmetic, not written back); with STORE also the token's k (normed, rotated)
+    and v of kv_head written into the cache at its slot (-1: none), visible to the whole program
+    (store: whether this program's keys end at the token)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HALF)[None, :]
+    pos = tl.load(positions_ptr + seq)
+    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d)
+    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + d)
+    q_row = q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d
+    q1 = tl.load(q_row, mask=head_mask[:, None], other=0.0)
+    q2 = tl.load(q_row + HALF, mask=head_mask[:, None], other=0.0)
+    q1, q2 = norm_rope(q1, q2, q_weight_ptr, cos, sin, eps, HALF, NORM)
+    if store:
+        slot = tl.load(slot_ptr + seq).to(tl.int64)
+        if slot >= 0:
+            one = tl.arange(0, 1)
+            k_row = k_ptr + seq * stride_knt + kv_head * HEAD_DIM + one[:, None] * 0 + d
+            k1, k2 = norm_rope(tl.load(k_row), tl.load(k_row + HALF), k_weight_ptr, cos, sin, eps, HALF, NORM)
+            v_row = v_ptr + seq * stride_vnt + kv_head * HEAD_DIM + one[:, None] * 0 + d
+            base = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
+            row = base + one[:, None] * 0 + d
+            scale_offs = base // HEAD_DIM + one  # contiguous caches (as _attend_tile finds the scales)
+            every = one == 0
+            store_heads(k_cache_ptr, k_scale_ptr, row, scale_offs, every, k1, k2, HALF, SCALED)
+            store_heads(v_cache_ptr, v_scale_ptr, row, scale_offs, every, tl.load(v_row), tl.load(v_row + HALF),
+                        HALF, SCALED)
+        tl.debug_barrier()  # the stores above are read back by other threads of this program
+    return tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_G, HEAD_DIM))
+
+
 @triton.jit(do_not_specialize=["stride_bt"])
 def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, acc_ptr, ml_ptr,
                             context_lens_ptr, block_tables_ptr, scale_log2, stride_qt, stride_qh, stride_ot,
-                            stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, GROUP: tl.constexpr,
+                            stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
+                            k_ptr, v_ptr, stride_knt, stride_vnt, positions_ptr, cos_sin_ptr, q_weight_ptr,
+                            k_weight_ptr, eps, slot_ptr, GROUP: tl.constexpr,
                             BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                             BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SCALED: tl.constexpr,
-                            PDL: tl.constexpr):
+                            ROPE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     """Grid (num_kv_heads, num_seqs, NUM_SPLITS): one query token per sequence (flash-decoding).
     Heads vary fastest so that the GPU starts every head of the first sequences first: with the
     batch ordered longest context first, that is longest-processing-time-first scheduling.
     Each program reads one KV head's keys once for all GROUP query heads that share it, over its
     share of the context. With one split it writes the output; otherwise it writes the partial
-    (acc [D], max, sum) per head and split for reduce_splits_kernel."""
+    (acc [D], max, sum) per head and split for reduce_splits_kernel.
+    With ROPE, q and the token's k, v are this step's projections, not yet normed, rotated or
+    stored: every program norms and rotates its q heads (qk_norm_rope's arithmetic), and the
+    program whose keys end at the token first stores its k and v (qk_norm_rope_kernel's work, one
+    kernel fewer per layer)."""
     pdl_start(PDL)
     kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx_len = tl.load(context_lens_ptr + seq)
     per_split = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
+    if NUM_SPLITS > 1 and start >= ctx_len:  # no keys: reduce_splits_kernel skips this split
+        return
     end = tl.minimum(start + per_split, ctx_len)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_g
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=(offs_g < GROUP)[:, None], other=0.0)
+    if ROPE:
+        q = _new_token(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, positions_ptr,
+                       cos_sin_ptr, q_weight_ptr, k_weight_ptr, eps, slot_ptr, seq, kv_head, heads, offs_g < GROUP,
+                       stride_qt, stride_qh, stride_knt, stride_vnt, stride_kb, stride_kt, stride_kh,
+                       (end == ctx_len) & (ctx_len > 0), HEAD_DIM, BLOCK_G, BLOCK_SIZE, NORM, SCALED)
+    else:
+        q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=(offs_g < GROUP)[:, None], other=0.0)
     if SCALED and q.dtype != tl.float32:
         q = q.to(tl.float16)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
@@ -162,17 +213,22 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
 
 
 @triton.jit
-def reduce_splits_kernel(o_ptr, acc_ptr, ml_ptr, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
-    """Grid (num_seqs, num_heads): merge the NUM_SPLITS partial softmaxes of one query head."""
+def reduce_splits_kernel(o_ptr, acc_ptr, ml_ptr, context_lens_ptr, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """Grid (num_seqs, num_heads): merge the partial softmaxes of one query head, read only from
+    the splits that had keys (decode_attention_kernel's split of context_lens[seq]; none for 0)."""
     pdl_start(PDL)
     seq, head = tl.program_id(0), tl.program_id(1)
-    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
-    m = tl.load(ml_ptr + part * 2)
-    l = tl.load(ml_ptr + part * 2 + 1)
+    ctx_len = tl.load(context_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    splits = tl.arange(0, NUM_SPLITS)
+    active = splits * per_split < ctx_len
+    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    m = tl.load(ml_ptr + part * 2, mask=active, other=float("-inf"))
+    l = tl.load(ml_ptr + part * 2 + 1, mask=active, other=0.0)
     m_max = tl.max(m, 0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)))
     total = tl.sum(l * w, 0)
-    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :])
+    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], mask=active[:, None], other=0.0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(o_ptr + seq * stride_ot + head * stride_oh + tl.arange(0, HEAD_DIM), o.to(o_ptr.dtype.element_ty))
