@@ -118,9 +118,9 @@ def _new_token(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_sca
                stride_knt, stride_vnt, stride_kb, stride_kt, stride_kh, store, HEAD_DIM: tl.constexpr,
                BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr):
     """This program's query heads [BLOCK_G, HEAD_DIM] after the optional RMSNorm and the rotation
-    (qk_norm_rope's arithmetic, not written back); with STORE also the token's k (normed, rotated)
-    and v of kv_head written into the cache at its slot (-1: none), visible to the whole program
-    (store: whether this program's keys end at the token)."""
+    (qk_norm_rope's arithmetic, not written back). Where `store` (this program's keys end at the
+    token), first the token's k (normed, rotated) and v of kv_head are written into the cache at
+    its slot (-1: none), visible to the whole program when this returns."""
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HALF)[None, :]
     pos = tl.load(positions_ptr + seq)
