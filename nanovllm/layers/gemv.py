@@ -20,23 +20,23 @@ from nanovllm.layers.pdl import pdl_args
 
 
 @triton.jit
-def _input(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, rk, k, K, inv_rms, GATED: tl.constexpr, NORM: tl.constexpr,
-           HAS_RESIDUAL: tl.constexpr):
-    """The product's input a[k:k + BLOCK_K] in float32, rounded to x's dtype where the torch layers
-    round it (see gemv_kernel)."""
-    k_mask = k + rk < K
+def _input(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, offs, K, inv_rms, res_cols, GATED: tl.constexpr,
+           NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The product's input a[offs] in float32, rounded to x's dtype where the torch layers round it
+    (see gemv_kernel); x + residual is written to res_out where offs < res_cols."""
+    mask = offs < K
     if GATED:
-        gate = tl.load(x_ptr + k + rk, mask=k_mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + K + k + rk, mask=k_mask, other=0.0)
+        gate = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + K + offs, mask=mask, other=0.0)
         a = ((gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up).to(tl.float32)
     elif NORM:
-        r = _residual_sum(x_ptr, res_ptr, k + rk, K, HAS_RESIDUAL)
-        if HAS_RESIDUAL and tl.program_id(0) == 0:
-            tl.store(res_out_ptr + k + rk, r, mask=k_mask)
+        r = _residual_sum(x_ptr, res_ptr, offs, K, HAS_RESIDUAL)
+        if HAS_RESIDUAL:  # a mask, not a branch on the program id: the loop stays one basic block
+            tl.store(res_out_ptr + offs, r, mask=offs < res_cols)
         normed = (r.to(tl.float32) * inv_rms).to(r.dtype).to(tl.float32)
-        a = (normed * tl.load(norm_w_ptr + k + rk, mask=k_mask, other=0.0).to(tl.float32)).to(r.dtype).to(tl.float32)
+        a = (normed * tl.load(norm_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(r.dtype).to(tl.float32)
     else:
-        a = tl.load(x_ptr + k + rk, mask=k_mask, other=0.0).to(tl.float32)
+        a = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     return a
 
 
@@ -70,18 +70,21 @@ def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, res_ptr, norm_w_ptr, r
     if PDL:
         gdc_wait()
     inv_rms = 1.0
-    if NORM:
-        sq = tl.zeros((BLOCK_K,), tl.float32)
-        for k in range(0, K, BLOCK_K):
+    if NORM:  # the first BLOCK_K outside the loop: for K <= BLOCK_K there is no loop
+        r = _residual_sum(x_ptr, res_ptr, rk, K, HAS_RESIDUAL).to(tl.float32)
+        sq = r * r
+        for k in range(BLOCK_K, K, BLOCK_K):
             r = _residual_sum(x_ptr, res_ptr, k + rk, K, HAS_RESIDUAL).to(tl.float32)
             sq += r * r
         inv_rms = tl.rsqrt(tl.sum(sq, 0) / K + eps)
-    a = _input(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, rk, 0, K, inv_rms, GATED, NORM, HAS_RESIDUAL)
+    res_cols = K * (tl.program_id(0) == 0).to(tl.int32)  # program 0 writes x + residual
+    a = _input(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, rk, K, inv_rms, res_cols, GATED, NORM, HAS_RESIDUAL)
     acc = w.to(tl.float32) * a[None, :]
     for k in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
         w = tl.load(w_ptrs, mask=(rn[:, None] < N) & (k + rk[None, :] < K), other=0.0)
-        a = _input(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, rk, k, K, inv_rms, GATED, NORM, HAS_RESIDUAL)
+        a = _input(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, k + rk, K, inv_rms, res_cols, GATED, NORM,
+                   HAS_RESIDUAL)
         acc += w.to(tl.float32) * a[None, :]
     y = tl.sum(acc, 1)
     if SCALED:
