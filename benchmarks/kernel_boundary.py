@@ -12,6 +12,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
+from decode_gemm import LAYERS, time_graph
 
 from nanovllm.layers.pdl import pdl_args, pdl_start
 
@@ -38,20 +39,9 @@ def persistent_kernel(buf_ptr, counter_ptr, phases, num_programs):
             pass
 
 
-def graph_us(fn, reps=50):
-    """GPU us of one replay of a CUDA graph of fn()."""
-    fn()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps
+def graph_us(fn):
+    """GPU us of one fn() replayed in a CUDA graph (decode_gemm.time_graph, fn on its first call only)."""
+    return time_graph(lambda i: fn() if i == 0 else None, reps=50) * LAYERS
 
 
 def main():
