@@ -80,15 +80,14 @@ def qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, 
     if STORE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
-            heads = tl.arange(0, K_PAD)[:, None]
-            mask = heads < NUM_K_HEADS
-            row = slot * (NUM_K_HEADS * 2 * HALF) + heads * (2 * HALF) + d
-            scale_offs = slot * NUM_K_HEADS + tl.arange(0, K_PAD)
-            head_mask = tl.arange(0, K_PAD) < NUM_K_HEADS
+            heads = tl.arange(0, K_PAD)
+            head_mask = heads < NUM_K_HEADS
+            row = slot * (NUM_K_HEADS * 2 * HALF) + heads[:, None] * (2 * HALF) + d
+            scale_offs = slot * NUM_K_HEADS + heads
             store_heads(k_cache_ptr, k_scale_ptr, row, scale_offs, head_mask, k1, k2, HALF, SCALED)
-            v_row = v_ptr + t.to(tl.int64) * stride_v + heads * (2 * HALF) + d
-            v1 = tl.load(v_row, mask=mask)
-            v2 = tl.load(v_row + HALF, mask=mask)
+            v_row = v_ptr + t.to(tl.int64) * stride_v + heads[:, None] * (2 * HALF) + d
+            v1 = tl.load(v_row, mask=head_mask[:, None])
+            v2 = tl.load(v_row + HALF, mask=head_mask[:, None])
             store_heads(v_cache_ptr, v_scale_ptr, row, scale_offs, head_mask, v1, v2, HALF, SCALED)
 
 

@@ -63,6 +63,13 @@ def _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_pt
     return acc, m_new, l
 
 
+@triton.jit
+def _split_len(ctx_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys per split of a context of ctx_len (whole tiles): split i has keys [i, i + 1) * this,
+    cut at ctx_len. The decode kernel and the split reduce both split by it."""
+    return tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+
+
 # The block-table width changes from step to step: keep it out of Triton's specialisation
 # (on 1 and on multiples of 16), which would otherwise compile new variants mid-run.
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -170,7 +177,7 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
     pdl_start(PDL)
     kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx_len = tl.load(context_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = _split_len(ctx_len, NUM_SPLITS, BLOCK_N)
     start = split * per_split
     if NUM_SPLITS > 1 and start >= ctx_len:  # no keys: reduce_splits_kernel skips this split
         return
@@ -220,7 +227,7 @@ def reduce_splits_kernel(o_ptr, acc_ptr, ml_ptr, context_lens_ptr, stride_ot, st
     pdl_start(PDL)
     seq, head = tl.program_id(0), tl.program_id(1)
     ctx_len = tl.load(context_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = _split_len(ctx_len, NUM_SPLITS, BLOCK_N)
     splits = tl.arange(0, NUM_SPLITS)
     active = splits * per_split < ctx_len
     part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits
