@@ -94,9 +94,12 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num
         BLOCK_N=block_n, NUM_SPLITS=splits, SCALED=kv_scales is not None,
         num_warps=num_warps or (4 if kv_scales is None else 2), num_stages=num_stages, **pdl_args(q.device))
     if splits > 1:
-        reduce_splits_kernel[(num_seqs, num_heads)](out, acc, ml, context_lens, out.stride(0), out.stride(1),
-                                                    HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_N=block_n,
-                                                    **pdl_args(q.device))
+        # one program per KV head merges its query heads' partials, 32 // heads splits per step
+        merge_g = triton.next_power_of_2(group)
+        reduce_splits_kernel[(num_seqs, num_kv_heads)](out, acc, ml, context_lens, out.stride(0), out.stride(1),
+                                                       GROUP=group, MERGE_G=merge_g, HEAD_DIM=head_dim,
+                                                       NUM_SPLITS=splits, SPLIT_CHUNK=min(splits, max(1, 32 // merge_g)),
+                                                       BLOCK_N=block_n, **pdl_args(q.device))
     return out
 
 

@@ -220,22 +220,38 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
 
 
 @triton.jit
-def reduce_splits_kernel(o_ptr, acc_ptr, ml_ptr, context_lens_ptr, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    """Grid (num_seqs, num_heads): merge the partial softmaxes of one query head, read only from
-    the splits that had keys (decode_attention_kernel's split of context_lens[seq]; none for 0)."""
+def reduce_splits_kernel(o_ptr, acc_ptr, ml_ptr, context_lens_ptr, stride_ot, stride_oh, GROUP: tl.constexpr,
+                         MERGE_G: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         SPLIT_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """Grid (num_seqs, num_kv_heads): the partial softmaxes (acc [D], max, sum) that
+    decode_attention_kernel wrote for the GROUP query heads of one KV head (MERGE_G >= GROUP
+    rows) merged, SPLIT_CHUNK splits per step, from the splits that had keys only (none for a
+    context of 0: zeros)."""
     pdl_start(PDL)
-    seq, head = tl.program_id(0), tl.program_id(1)
+    seq, kv_head = tl.program_id(0), tl.program_id(1)
     ctx_len = tl.load(context_lens_ptr + seq)
-    per_split = _split_len(ctx_len, NUM_SPLITS, BLOCK_N)
-    splits = tl.arange(0, NUM_SPLITS)
-    active = splits * per_split < ctx_len
-    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits
-    m = tl.load(ml_ptr + part * 2, mask=active, other=float("-inf"))
-    l = tl.load(ml_ptr + part * 2 + 1, mask=active, other=0.0)
-    m_max = tl.max(m, 0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)))
-    total = tl.sum(l * w, 0)
-    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], mask=active[:, None], other=0.0)
-    o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(o_ptr + seq * stride_ot + head * stride_oh + tl.arange(0, HEAD_DIM), o.to(o_ptr.dtype.element_ty))
+    num_splits = tl.cdiv(ctx_len, tl.maximum(_split_len(ctx_len, NUM_SPLITS, BLOCK_N), 1))
+    offs_g = tl.arange(0, MERGE_G)
+    heads, head_mask = kv_head * GROUP + offs_g, offs_g < GROUP
+    offs_s = tl.arange(0, SPLIT_CHUNK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_run = tl.full([MERGE_G], float("-inf"), tl.float32)
+    l_run = tl.zeros([MERGE_G], tl.float32)
+    o_run = tl.zeros([MERGE_G, HEAD_DIM], tl.float32)
+    for s0 in range(0, num_splits, SPLIT_CHUNK):
+        splits = s0 + offs_s
+        mask = head_mask[:, None] & (splits < num_splits)[None, :]  # [G, S]
+        part = (seq * tl.num_programs(1) * GROUP + heads[:, None]) * NUM_SPLITS + splits[None, :]
+        m = tl.load(ml_ptr + part * 2, mask=mask, other=float("-inf"))
+        l = tl.load(ml_ptr + part * 2 + 1, mask=mask, other=0.0)
+        acc = tl.load(acc_ptr + part[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=mask[:, :, None], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # heads that have seen no keys yet
+        w = tl.exp2(m - m_safe[:, None])  # 0 where masked (m = -inf)
+        alpha = tl.exp2(m_run - m_safe)
+        l_run = l_run * alpha + tl.sum(l * w, 1)
+        o_run = o_run * alpha[:, None] + tl.sum(acc * w[:, :, None], 1)
+        m_run = m_new
+    o = o_run / tl.where(l_run > 0, l_run, 1.0)[:, None]
+    tl.store(o_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=head_mask[:, None])
