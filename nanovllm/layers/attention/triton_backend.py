@@ -96,10 +96,11 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num
     if splits > 1:
         # one program per KV head merges its query heads' partials, 32 // heads splits per step
         merge_g = triton.next_power_of_2(group)
+        chunk = min(splits, max(1, 32 // merge_g))
         reduce_splits_kernel[(num_seqs, num_kv_heads)](out, acc, ml, context_lens, out.stride(0), out.stride(1),
                                                        GROUP=group, MERGE_G=merge_g, HEAD_DIM=head_dim,
-                                                       NUM_SPLITS=splits, SPLIT_CHUNK=min(splits, max(1, 32 // merge_g)),
-                                                       BLOCK_N=block_n, **pdl_args(q.device))
+                                                       NUM_SPLITS=splits, SPLIT_CHUNK=chunk, BLOCK_N=block_n,
+                                                       **pdl_args(q.device))
     return out
 
 
