@@ -1,10 +1,12 @@
 """CUDA graphs of decode steps: one captured forward and LM head per batch size, replayed for any
 decode step of at most that many sequences. The attention backend owns the static metadata the
-graphs read (init_graph_state, graph_metadata, prepare_graph_replay); this module owns the token
-ids in, the hidden states and this rank's logits out (the LM head inside the graph costs the host
-no launch: ~0.1 ms a step at one sequence, NOTES.md 2026-11-24, third session)."""
+graphs read (init_graph_state, graph_metadata); this module owns the token ids in, the hidden
+states and this rank's logits out (the LM head inside the graph costs the host no launch: ~0.1 ms
+a step at one sequence, NOTES.md 2026-11-24, third session), and writes a step's ids and
+metadata into the static buffers before each replay (graph_inputs.py: one kernel)."""
 import torch
 
+from nanovllm.engine.graph_inputs import write_graph_inputs
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 
 
@@ -49,12 +51,12 @@ class CUDAGraphRunner:
         n = meta.context_lens.size(0)
         return next((b for b in self.batch_sizes if b >= n), None)
 
-    def replay(self, batch_size: int, input_ids: torch.Tensor,
-               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay(self, batch_size: int, input_ids: torch.Tensor, pending: torch.Tensor | None,
+               sampled: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step of n <= batch_size sequences: (hidden states [n, hidden_size], this rank's
-        logits [n, vocab_shard]), views of static buffers that the next replay overwrites."""
+        logits [n, vocab_shard]), views of static buffers that the next replay overwrites.
+        input_ids, pending, sampled: as graph_inputs.write_graph_inputs takes them."""
         n = input_ids.size(0)
-        self.input_ids[:n] = input_ids
-        self.backend.prepare_graph_replay(meta)
+        write_graph_inputs(batch_size, input_ids, pending, sampled, meta, self.input_ids, self.backend.graph_meta)
         self.graphs[batch_size].replay()
         return self.outputs[:n], self.logits[:n]

@@ -206,21 +206,23 @@ class ModelRunner:
         with region("prepare_inputs"):
             tensors = self.stager.upload_plan(plan)
             meta = self.backend.build_metadata(plan, tensors)
+            graph_bs = self.graph_runner.batch_size_for(meta) if self.graph_runner else None
+            pending = tensors.get("pending") if plan.input_ids is not None and len(plan.pending) else None
             if plan.input_ids is None:  # a tensor-parallel worker: rank 0 broadcasts the ids
                 input_ids = torch.empty(int(plan.cu_seqlens_q[-1]), dtype=torch.int64, device=self.device)
             else:
                 input_ids = tensors["input_ids"]
-                if len(plan.pending):
-                    index, rows = tensors["pending"].unbind(1)
+                if pending is not None and (graph_bs is None or self.world_size > 1):
+                    index, rows = pending.unbind(1)
                     input_ids[index] = prev_sampled[rows]
+                    pending = None
             if self.world_size > 1:
                 dist.broadcast(input_ids, 0)
         with region("forward"):
-            graph_bs = self.graph_runner.batch_size_for(meta) if self.graph_runner else None
             if graph_bs is None:
                 hidden, logits = self.model(input_ids, meta), None
-            else:  # the graph computes every row's logits (this rank's slice)
-                hidden, logits = self.graph_runner.replay(graph_bs, input_ids, meta)
+            else:  # the graph computes every row's logits (this rank's slice); pending ids are gathered with its inputs
+                hidden, logits = self.graph_runner.replay(graph_bs, input_ids, pending, prev_sampled, meta)
         if len(plan.block_copies):  # forked sequences' own copy of a shared, partial block, written just now
             src, dst = torch.from_numpy(plan.block_copies).to(self.device).unbind(1)
             self.kv_cache.copy_blocks(src, dst)

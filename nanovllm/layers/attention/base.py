@@ -91,7 +91,8 @@ class AttentionBackend:
     # ---- CUDA graphs: static metadata buffers that captured graphs read ----------------------
 
     def init_graph_state(self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device):
-        """Allocate the static metadata of decode graphs for up to max_num_seqs sequences."""
+        """Allocate the static metadata of decode graphs for up to max_num_seqs sequences (the graph
+        runner writes each step's into them: engine/graph_inputs.py)."""
         def zeros(*shape, dtype=torch.int32):
             return torch.zeros(shape, dtype=dtype, device=device)
         self.graph_meta = AttentionMetadata(
@@ -106,14 +107,3 @@ class AttentionBackend:
         g = self.graph_meta
         return AttentionMetadata(g.positions[:batch_size], g.slot_mapping[:batch_size], g.cu_seqlens_q[:batch_size + 1],
                                  g.context_lens[:batch_size], g.block_tables[:batch_size], 1, True)
-
-    def prepare_graph_replay(self, meta: AttentionMetadata):
-        """Copy a decode step's metadata into the static buffers. Rows past the batch (padding up to
-        the captured size) get slot -1 (no KV write) and context length 0 (zero output)."""
-        g, n = self.graph_meta, meta.context_lens.size(0)
-        g.positions[:n] = meta.positions
-        g.slot_mapping.fill_(-1)
-        g.slot_mapping[:n] = meta.slot_mapping
-        g.context_lens.zero_()
-        g.context_lens[:n] = meta.context_lens
-        g.block_tables[:n, :meta.block_tables.size(1)] = meta.block_tables

@@ -1,0 +1,61 @@
+"""A decode step's inputs written into a CUDA graph's static buffers by one kernel.
+
+Before each replay the graph's token ids and attention metadata must hold the step's values, the
+rows past the batch padding (slot -1: no KV write; context length 0: zero output). Done with torch
+ops that is nine small kernels a step (the pending tokens' gather and scatter, the copies, the
+fills), ~20 us of GPU time at one sequence (NOTES.md, 2026-11-25, third session); this kernel does
+it in one."""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.engine.sequence import PLACEHOLDER
+
+
+# the counts and the block-table width change every step: kept out of Triton's specialisation
+@triton.jit(do_not_specialize=["num_pending", "num_seqs", "width", "stride_t"])
+def graph_inputs_kernel(ids_ptr, pending_ptr, num_pending, sampled_ptr, positions_ptr, slots_ptr, ctx_ptr,
+                        tables_ptr, num_seqs, width, stride_t, g_ids_ptr, g_positions_ptr, g_slots_ptr, g_ctx_ptr,
+                        g_tables_ptr, stride_gt, PLACEHOLDER: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Grid (graph batch size,): program i writes row i (a sequence's values, or padding past
+    num_seqs) and the i-th pending token, sampled[pending[i, 1]] at token pending[i, 0]; the
+    other tokens come from ids (where they are not PLACEHOLDER). Block-table columns past width
+    keep older values: context_lens bounds every read of them."""
+    row = tl.program_id(0)
+    if row < num_seqs:
+        token = tl.load(ids_ptr + row)
+        if token != PLACEHOLDER:
+            tl.store(g_ids_ptr + row, token)
+        tl.store(g_positions_ptr + row, tl.load(positions_ptr + row))
+        tl.store(g_slots_ptr + row, tl.load(slots_ptr + row))
+        tl.store(g_ctx_ptr + row, tl.load(ctx_ptr + row))
+        cols = tl.arange(0, BLOCK_W)
+        for c in range(0, width, BLOCK_W):
+            mask = c + cols < width
+            entries = tl.load(tables_ptr + row * stride_t + c + cols, mask=mask)
+            tl.store(g_tables_ptr + row * stride_gt + c + cols, entries, mask=mask)
+    else:
+        tl.store(g_slots_ptr + row, -1)
+        tl.store(g_ctx_ptr + row, 0)
+    if row < num_pending:
+        index, source = tl.load(pending_ptr + 2 * row), tl.load(pending_ptr + 2 * row + 1)
+        tl.store(g_ids_ptr + index, tl.load(sampled_ptr + source))
+
+
+def write_graph_inputs(batch_size: int, input_ids: torch.Tensor, pending: torch.Tensor | None,
+                       sampled: torch.Tensor | None, meta, graph_ids: torch.Tensor, graph_meta):
+    """Write a decode step of n <= batch_size sequences into a graph's static buffers.
+    input_ids: [n] int64, PLACEHOLDER where pending [P, 2] int64 (token index, row of sampled)
+    names the previous step's sampled token ([rows] int64); pending None or empty: none.
+    meta: the step's AttentionMetadata (positions, slot_mapping [n] int64, context_lens [n] int32,
+    block_tables [n, width] int32); graph_ids [>= batch_size] int64 and graph_meta (the backend's
+    static AttentionMetadata, block_tables [>= batch_size, >= width]) receive them."""
+    n, width = meta.block_tables.shape
+    num_pending = 0 if pending is None else pending.size(0)
+    assert n <= batch_size and width <= graph_meta.block_tables.size(1) and meta.block_tables.stride(1) == 1
+    graph_inputs_kernel[(batch_size,)](
+        input_ids, pending if num_pending else input_ids, num_pending, sampled if num_pending else input_ids,
+        meta.positions, meta.slot_mapping, meta.context_lens, meta.block_tables, n, width,
+        meta.block_tables.stride(0), graph_ids, graph_meta.positions, graph_meta.slot_mapping,
+        graph_meta.context_lens, graph_meta.block_tables, graph_meta.block_tables.stride(0),
+        PLACEHOLDER=PLACEHOLDER, BLOCK_W=64, num_warps=1)
