@@ -10,9 +10,11 @@ import torch
 pytest.importorskip("triton")
 from nanovllm.layers.activation import silu_and_mul  # noqa: E402
 from nanovllm.layers.fp8 import quantize_fp8  # noqa: E402
+from nanovllm.layers import skinny_gemm  # noqa: E402
 from nanovllm.layers.gemv import gemv, norm_gemv  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
 from nanovllm.layers.linear import ColumnParallelLinear, linear, norm_linear  # noqa: E402
+from nanovllm.layers.skinny_gemm import rms_norm_rows, silu_and_mul_rows, skinny_linear  # noqa: E402
 from nanovllm.parallel.state import TensorParallel  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -107,3 +109,71 @@ def test_linear_one_row_on_the_gpu(k, n, fp8):
     y = linear(x, w, scale, None, gated)
     ref = reference(x, w, scale, None, gated)
     assert torch.allclose(y.double(), ref, rtol=2**-8, atol=2**-8 * ref.abs().max().item())
+
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_awkward_sizes(bias):
+    """skinny_gemm's tensor-core product of 2-33 rows: partial tiles in M, N and K, K split in 1-3
+    slices (one slice empty at k=200, split 3 of 128-wide steps), the split's counters back at zero."""
+    g = torch.Generator().manual_seed(20 + bias)
+    for m, n, k, config in ((2, 37, 100, (16, 64, 4, 2, 1)), (5, 40, 300, (32, 64, 4, 2, 3)),
+                            (33, 16, 200, (16, 128, 4, 2, 3)), (16, 70, 1000, (32, 256, 4, 2, 2))):
+        x = (torch.randn(m, k + 8, generator=g) * 4).half().to(DEVICE)[:, :k]  # rows k + 8 apart
+        w = (torch.randn(n, k, generator=g) * 0.05).half()
+        b = torch.randn(n, generator=g).half() if bias else None
+        y = skinny_linear(x, w.to(DEVICE), None if b is None else b.to(DEVICE), config=config)
+        ref = reference(x.cpu(), w, None, b, False).to(DEVICE)
+        assert y.shape == (m, n) and y.dtype == torch.float16
+        assert torch.allclose(y.double(), ref, rtol=2**-10, atol=2**-10 * ref.abs().max().item()), (m, n, k)
+    assert not any(counters.any() for counters in skinny_gemm._counters.values())
+
+
+@pytest.mark.parametrize("has_residual", [False, True])
+def test_rms_norm_rows_and_silu_and_mul_rows(has_residual):
+    """The chain's norm and gate kernels against layernorm.RMSNorm and activation.silu_and_mul: the
+    residual sum bit for bit, the rest within two roundings of fp16 (the float32 sums and exp
+    are not computed in the same order or with the same instructions)."""
+    g = torch.Generator().manual_seed(40 + has_residual)
+    for m, k in ((3, 100), (9, 1024)):
+        x, res = (torch.randn(m, k, generator=g) * 3).half(), (torch.randn(m, k, generator=g) * 3).half()
+        res = res if has_residual else None
+        norm_w = (1 + torch.randn(k, generator=g) * 0.2).half()
+        y, r = rms_norm_rows(x.to(DEVICE), None if res is None else res.to(DEVICE), norm_w.to(DEVICE), 1e-6)
+        y_ref, r_ref = normed(x, res, norm_w, 1e-6)
+        assert torch.equal(r.cpu(), r_ref)
+        assert torch.allclose(y.cpu().float(), y_ref.float(), rtol=2**-9, atol=2**-14), (m, k)
+        gate_up = (torch.randn(m, 2 * k, generator=g) * 3).half()
+        assert torch.allclose(silu_and_mul_rows(gate_up.to(DEVICE)).cpu().float(), silu_and_mul(gate_up.float()).half().float(),
+                              rtol=2**-9, atol=2**-14), (m, k)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("k,n", [(1024, 4096), (2048, 1024), (3072, 1024), (1024, 6144), (896, 1152)])
+@pytest.mark.parametrize("m", [2, 7, 16, 32])
+def test_linear_few_rows_on_the_gpu(k, n, m):
+    """linear() and norm_linear() at 2-32 rows of bf16 take skinny_gemm.py's kernels with the default
+    tiling (K split where N is narrow; gated for down_proj's K), equal to the float64 product to
+    bf16's rounding of the output (2^-8), the same bits on a second run (the split's sum has a
+    fixed order), and the residual sum as RMSNorm returns it."""
+    g = torch.Generator("cuda").manual_seed(k + n + m)
+    gated = k == 3072
+    x, res = (torch.randn(2, m, (2 if gated else 1) * k, device="cuda", generator=g) * 3).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+    y = linear(x, w, None, None, gated)
+    ref = reference(x, w, None, None, gated)
+    assert torch.allclose(y.double(), ref, rtol=2**-8, atol=2**-8 * ref.abs().max().item())
+    assert torch.equal(y, linear(x, w, None, None, gated))
+    if gated:
+        return
+    norm = RMSNorm(k).cuda().bfloat16()
+    norm.weight.data.normal_(1, 0.2, generator=g)
+    layer = ColumnParallelLinear(k, n, TensorParallel(), bias=True).cuda().bfloat16()
+    layer.weight.data.copy_(w)
+    layer.bias.data.normal_(0, 1, generator=g)
+    for residual in (None, res):
+        y, r = norm_linear(x, residual, norm, layer)
+        a, r_ref = (norm(x), x) if residual is None else norm(x, residual)
+        ref = a.double() @ layer.weight.double().t() + layer.bias.double()
+        assert torch.equal(r, r_ref)
+        assert torch.allclose(y.double(), ref, rtol=2**-8, atol=2**-8 * ref.abs().max().item())

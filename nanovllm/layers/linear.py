@@ -23,15 +23,29 @@ def one_row(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.numel() == x.size(-1)
 
 
+SKINNY_MAX_ROWS = 32  # no gain over cuBLAS at 64 rows (skinny_gemm.py)
+
+
+def few_rows(x: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
+    """A decode step of 2 to SKINNY_MAX_ROWS sequences in bf16/fp16 on CUDA with weights in x's
+    dtype: skinny_gemm.py's kernels take its products, norms and gate."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight_scale is None
+            and x.dim() == 2 and 2 <= x.size(0) <= SKINNY_MAX_ROWS)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, bias: torch.Tensor | None,
            gated: bool = False) -> torch.Tensor:
     """y = a W^T + b for x [..., in] (gated: x = [gate | up] [..., 2 * in] and a = silu(gate) * up,
     else a = x), weight [out, in] in x's dtype or float8 with weight_scale [out] -> [..., out].
-    One row of bf16/fp16 on CUDA (a decode step of one sequence): gemv.gemv, the gate fused into
-    its loads; otherwise F.linear, or fp8_linear for a float8 weight."""
+    bf16/fp16 on CUDA: one row (a decode step of one sequence) gemv.gemv, the gate fused into its
+    loads; a few rows skinny_gemm.py's gate and product kernels; otherwise F.linear, or
+    fp8_linear for a float8 weight."""
     if one_row(x):
         from nanovllm.layers.gemv import gemv
         return gemv(x, weight, weight_scale, bias, gated)
+    if few_rows(x, weight_scale):
+        from nanovllm.layers.skinny_gemm import silu_and_mul_rows, skinny_linear
+        return skinny_linear(silu_and_mul_rows(x) if gated else x, weight, bias)
     if gated:
         x = silu_and_mul(x)
     return F.linear(x, weight, bias) if weight_scale is None else fp8_linear(x, weight, weight_scale, bias)
@@ -40,11 +54,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
                 layer: "ColumnParallelLinear") -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm block's first product: (layer(norm(r)), r) for r = x + residual, or r = x when
-    residual is None; x, residual: [num_tokens, hidden_size]. One row of bf16/fp16 on CUDA: one
-    gemv.norm_gemv kernel, the norm computed while loading x; otherwise RMSNorm, then the layer."""
+    residual is None; x, residual: [num_tokens, hidden_size]. bf16/fp16 on CUDA: one row, one
+    GEMV kernel, the norm computed while loading x; a few rows (see linear), skinny_gemm.py's
+    norm and product kernels; otherwise RMSNorm, then the layer."""
     if one_row(x):
         from nanovllm.layers.gemv import norm_gemv
         return norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, layer.weight_scale, layer.bias)
+    if few_rows(x, layer.weight_scale):
+        from nanovllm.layers.skinny_gemm import rms_norm_rows, skinny_linear
+        x, residual = rms_norm_rows(x, residual, norm.weight, norm.eps)
+        return skinny_linear(x, layer.weight, layer.bias), residual
     x, residual = (norm(x), x) if residual is None else norm(x, residual)
     return layer(x), residual
 
