@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from nanovllm.layers import linear as linear_mod
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear, norm_linear
-from nanovllm.layers.skinny_gemm import skinny_config, skinny_linear
+from nanovllm.layers.skinny_gemm import silu_and_mul_rows, skinny_config, skinny_linear
 from nanovllm.parallel.state import TensorParallel
 
 HIDDEN, Q, KV, INTER = 1024, 2048, 1024, 3072
@@ -93,29 +93,28 @@ def sweep(ms):
         gated = name == "down_proj"
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(LAYERS)]
         configs = [c for c in itertools.product([16, 32], [128, 256, 512], [2, 4], [3, 4], [1, 2, 4])
-                   if k % (c[1] * c[4]) == 0]
+                   if k % (c[1] * c[4]) == 0]  # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)
         for m in ms:
             x = torch.randn(m, (2 if gated else 1) * k, device="cuda", dtype=torch.bfloat16)
-            a = F.silu(x[:, :k].float()).bfloat16() * x[:, k:] if gated else x
+            a = silu_and_mul_rows(x) if gated else x  # the engine's chain: the gate, then the product
             ref = a.float() @ ws[0].float().T
             cublas = time_graph(lambda i: F.linear(a, ws[i]))
             results = []
             for cfg in configs:
                 try:
-                    y = skinny_linear(x, ws[0], gated=gated, config=cfg)
+                    y = skinny_linear(a, ws[0], config=cfg)
                 except Exception as e:  # a tiling's pipeline stages over shared memory
                     print(f"  {name} M={m} {cfg}: {type(e).__name__}")
                     continue
                 if not ((y.float() - ref).abs().max() / ref.abs().max()).item() < 2**-6:
                     print(f"  {name} M={m} {cfg}: WRONG")
                     continue
-                results.append((time_graph(lambda i: skinny_linear(x, ws[i], gated=gated, config=cfg)), cfg))
-            default = time_graph(lambda i: skinny_linear(x, ws[i], gated=gated))
+                results.append((time_graph(lambda i: skinny_linear(a, ws[i], config=cfg)), cfg))
+            default = time_graph(lambda i: skinny_linear(a, ws[i]))
             results.sort()
             print(f"{name:>12} M={m:3d}: cuBLAS {cublas:5.2f} us, skinny_config {skinny_config(m, n, k)} {default:5.2f}; "
                   "best (BLOCK_N, BLOCK_K, warps, stages, split) " + "; ".join(f"{c} {t:.2f}" for t, c in results[:3]),
                   flush=True)
-
 
 
 @torch.inference_mode()

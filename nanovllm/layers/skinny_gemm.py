@@ -13,8 +13,9 @@ results do not depend on timing). Every kernel here lets the next one launch at 
 product loads its first weight tile before waiting for the previous kernel; that overlap is
 most of the gain, which is why the norm and the gate between the products are kernels of this
 chain too rather than the compiled torch ones. Measured on an H100 (benchmarks/decode_gemm.py, a
-layer's chain as the model runs it, us per layer): 30.8 -> 24.5 at M = 2, 31.4 -> 25.2 at 16,
-32.1 -> 29.6 at 32, none at 64 (NOTES.md, 2026-11-25, fifth session).
+layer's chain as the model runs it, us per layer): 31.1 -> 27.4 at M = 2, 32.2 -> 28.6 at 16,
+32.9 -> 30.0 at 32; none at 64, where cuBLAS stays. A decode step of 2-32 sequences of Qwen3-0.6B:
+0.10-0.18 ms less (NOTES.md, 2026-11-25, fifth session).
 """
 import torch
 import triton
@@ -104,12 +105,14 @@ def skinny_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     an H100 at Qwen3-0.6B's shapes (`benchmarks/decode_gemm.py --sweep`; NOTES.md, 2026-11-25, fifth
     session): 32 weight rows per program, 16 for the widest products at up to 16 rows; K split in 4
     where N gives fewer than 128 programs; as many pipeline stages (up to 4) as fit in 200 KB of
-    shared memory."""
+    shared memory, or in 100 KB where there are more programs than the H100's 132 SMs, so that two
+    share an SM (gate_up_proj at 16 rows: 9.2 us with 4 stages, 6.1 with 3)."""
     block_n = 16 if n > 4096 and m <= 16 else 32
     split = 4 if triton.cdiv(n, block_n) < 128 and k >= 1024 else 1
     block_k = 512 if (k // split) % 512 == 0 and not (n > 4096 and m > 16) else 256
     stage_bytes = (block_n + max(16, triton.next_power_of_2(m))) * block_k * 2
-    return block_n, block_k, 4 if block_n == 32 else 2, min(4, 200_000 // stage_bytes), split
+    smem = 200_000 if triton.cdiv(n, block_n) * split <= 132 else 100_000
+    return block_n, block_k, 4 if block_n == 32 else 2, min(4, smem // stage_bytes), split
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
