@@ -82,10 +82,18 @@ def test_norm_linear_one_row_on_the_gpu(k, n):
     path of more rows), to bf16's rounding of the output (2^-8)."""
     g = torch.Generator("cuda").manual_seed(k)
     x, res = (torch.randn(2, 1, k, device="cuda", generator=g) * 3).bfloat16()
+    check_norm_linear(x, res, (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16(), g)
+
+
+def check_norm_linear(x, res, weight, g):
+    """norm_linear(x, residual) with residual None and res, and a random norm weight and bias,
+    against RMSNorm then the float64 product to bf16's rounding of the output (2^-8); the residual
+    sum exactly as RMSNorm returns it."""
+    n, k = weight.shape
     norm = RMSNorm(k).cuda().bfloat16()
     norm.weight.data.normal_(1, 0.2, generator=g)
     layer = ColumnParallelLinear(k, n, TensorParallel(), bias=True).cuda().bfloat16()
-    layer.weight.data.normal_(0, 0.02, generator=g)
+    layer.weight.data.copy_(weight)
     layer.bias.data.normal_(0, 1, generator=g)
     for residual in (None, res):
         y, r = norm_linear(x, residual, norm, layer)
@@ -164,16 +172,5 @@ def test_linear_few_rows_on_the_gpu(k, n, m):
     ref = reference(x, w, None, None, gated)
     assert torch.allclose(y.double(), ref, rtol=2**-8, atol=2**-8 * ref.abs().max().item())
     assert torch.equal(y, linear(x, w, None, None, gated))
-    if gated:
-        return
-    norm = RMSNorm(k).cuda().bfloat16()
-    norm.weight.data.normal_(1, 0.2, generator=g)
-    layer = ColumnParallelLinear(k, n, TensorParallel(), bias=True).cuda().bfloat16()
-    layer.weight.data.copy_(w)
-    layer.bias.data.normal_(0, 1, generator=g)
-    for residual in (None, res):
-        y, r = norm_linear(x, residual, norm, layer)
-        a, r_ref = (norm(x), x) if residual is None else norm(x, residual)
-        ref = a.double() @ layer.weight.double().t() + layer.bias.double()
-        assert torch.equal(r, r_ref)
-        assert torch.allclose(y.double(), ref, rtol=2**-8, atol=2**-8 * ref.abs().max().item())
+    if not gated:
+        check_norm_linear(x, res, w, g)
