@@ -106,3 +106,27 @@ def test_profiler_regions(tiny_qwen3):
     names = {event.name for event in prof.events()}
     assert {"scheduling", "prepare_inputs", "forward", "compute_logits", "sampling"} <= names, names
     assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == [o.token_ids for o in profiled]
+
+
+def test_without_triton(tiny_qwen3, tmp_path):
+    """README's first command installs the CPU build of torch, which brings no Triton: the engine must
+    import and run on the torch backend without it (a module-level `import triton` on the engine's
+    import path once broke `python example.py` there while the tests, with Triton, passed)."""
+    import os
+    import subprocess
+    import sys
+    path, hf_model = tiny_qwen3
+    prompt = random_prompts([9], seed=3)[0]
+    script = tmp_path / "no_triton.py"
+    script.write_text(f"""
+import sys
+sys.modules["triton"] = None  # `import triton` raises and find_spec("triton") is None, as where it is not installed
+from nanovllm import LLM, SamplingParams
+llm = LLM({path!r}, device="cpu")
+out = llm.generate([{prompt!r}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+print(llm.engine.model_runner.backend.name, out[0].token_ids)
+""")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == f"torch {hf_greedy(hf_model, prompt, 6)}"

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.cuda_graphs import CUDAGraphRunner
 from nanovllm.engine.kv_cache import KVCacheSpec, num_kv_blocks
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.sampling_inputs import TokenCounts, sampling_tensors
@@ -76,6 +75,7 @@ class ModelRunner:
             self._pinned = [(torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
                             for _ in range(2)]
             if not config.enforce_eager and self.backend.supports_cuda_graphs:
+                from nanovllm.engine.cuda_graphs import CUDAGraphRunner  # Triton's: with CUDA only
                 self.graph_runner = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs,
                                                     self.max_blocks_per_seq, self.hf_config.hidden_size,
                                                     self.model.lm_head.weight.size(0), self.dtype, self.device,
