@@ -119,7 +119,6 @@ def test_linear_one_row_on_the_gpu(k, n, fp8):
     assert torch.allclose(y.double(), ref, rtol=2**-8, atol=2**-8 * ref.abs().max().item())
 
 
-
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_linear_awkward_sizes(bias):
     """skinny_gemm's tensor-core product of 2-33 rows: partial tiles in M, N and K, K split in 1-3
