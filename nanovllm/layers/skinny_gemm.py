@@ -13,9 +13,9 @@ results do not depend on timing). Every kernel here lets the next one launch at 
 product loads its first weight tile before waiting for the previous kernel; that overlap is
 most of the gain, which is why the norm and the gate between the products are kernels of this
 chain too rather than the compiled torch ones. Measured on an H100 (benchmarks/decode_gemm.py, a
-layer's chain as the model runs it, us per layer): 31.1 -> 27.4 at M = 2, 32.2 -> 28.6 at 16,
-32.9 -> 30.0 at 32; none at 64, where cuBLAS stays. A decode step of 2-32 sequences of Qwen3-0.6B:
-0.10-0.18 ms less (NOTES.md, 2026-11-25, fifth session).
+layer's chain as the model runs it, us per layer): 30.8 -> 25.3 at M = 2, 31.7 -> 25.7 at 16,
+32.2 -> 30.6 at 32; none at 64, where cuBLAS stays. The GPU time of a decode step of 2-16
+sequences of Qwen3-0.6B: 0.16-0.21 ms less (NOTES.md, 2026-11-25, fifth session).
 """
 import torch
 import triton
