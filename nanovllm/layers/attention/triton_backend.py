@@ -11,6 +11,11 @@ from nanovllm.layers.pdl import pdl_args
 from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope
 
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, DECODE_BLOCK_N = 64, 64, 64
+# A float8 cache's decode steps store the new token inside the attention kernel up to this many
+# sequences; beyond, every split program's float8 store and q rotation cost more than the kernel
+# they save (H100, Qwen3-0.6B, graph us separate -> fused: 1 sequence 902 -> 858, 8 1193 -> 1141,
+# 16 1325 -> 1314, 32 1673 -> 1720, 256 5590 -> 5808; NOTES.md, 2026-11-25, sixth session).
+FUSED_FP8_MAX_SEQS = 16
 
 
 def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: tuple | None):
@@ -107,7 +112,7 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num
 class TritonBackend(AttentionBackend):
     """The Triton kernels: for prefill one fused kernel for the per-head norms, rotary embedding and
     K/V store, then paged prefill attention; for decode split-KV attention that does that work
-    itself (with a bf16/fp16 cache)."""
+    itself (with a float8 cache up to FUSED_FP8_MAX_SEQS sequences)."""
     name = "triton"
     supports_cuda_graphs = True  # launch shapes depend only on the batch size
 
@@ -115,13 +120,14 @@ class TritonBackend(AttentionBackend):
         norms = layer.qk_norms
         weights = (norms[0].weight, norms[1].weight, norms[0].eps) if norms else (None, None, 0.0)
         i = layer.layer_idx
-        if meta.is_decode and self.k_scales[i] is None:
+        scales = None if self.k_scales[i] is None else (self.k_scales[i], self.v_scales[i])
+        if meta.is_decode and (scales is None or q.size(0) <= FUSED_FP8_MAX_SEQS):
             # the norms, rotation and K/V store inside the attention kernel: one kernel fewer per layer
-            # (H100: decode graph of 1 sequence 930 -> 880 us, of 8 1360 -> 1247). Not with a float8
-            # cache: bench.py --kv-cache-dtype fp8 ran ~2.5% slower so (NOTES.md, 2026-11-25).
+            # (H100: decode graph of 1 sequence 930 -> 880 us, of 8 1360 -> 1247).
             return decode_attention(q, self.k_caches[i], self.v_caches[i], meta.context_lens, meta.block_tables,
-                                    layer.scale, new_token=(k, v, meta.positions, layer.rotary_emb.cos_sin_cache,
-                                                            *weights, meta.slot_mapping))
+                                    layer.scale, kv_scales=scales,
+                                    new_token=(k, v, meta.positions, layer.rotary_emb.cos_sin_cache, *weights,
+                                               meta.slot_mapping))
         qk_norm_rope(meta.positions, q, k, layer.rotary_emb.cos_sin_cache, *weights,
                      kv_cache=(v, self.k_caches[i], self.v_caches[i], self.k_scales[i], self.v_scales[i],
                                meta.slot_mapping))
