@@ -103,15 +103,22 @@ def silu_and_mul_rows_kernel(x_ptr, y_ptr, K, BLOCK_K: tl.constexpr, PDL: tl.con
 def skinny_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for 16-bit weights: the fastest of a sweep on
     an H100 at Qwen3-0.6B's shapes (`benchmarks/decode_gemm.py --sweep`; NOTES.md, 2026-11-25, fifth
-    session): 32 weight rows per program, 16 for the widest products at up to 16 rows; K split in 4
-    where N gives fewer than 128 programs; as many pipeline stages (up to 4) as fit in 200 KB of
-    shared memory, or in 100 KB where there are more programs than the H100's 132 SMs, so that two
-    share an SM (gate_up_proj at 16 rows: 9.2 us with 4 stages, 6.1 with 3)."""
+    and sixth sessions): 32 weight rows per program, 16 for the widest products at up to 16 rows; K
+    split in 4 where N gives fewer than 128 programs. Up to 16 rows, as many pipeline stages (up to
+    4) as fit in 200 KB of shared memory, or in 100 KB where there are more programs than the H100's
+    132 SMs, so that two share an SM (gate_up_proj at 16 rows: 9.2 us with 4 stages, 6.1 with 3).
+    At 17-32 rows 4 stages, 2 warps where programs outnumber the SMs, and a split in 2 of 16-row
+    tiles where 4 slices would not be whole 512-wide steps (down_proj): a layer 30.5 -> 28.4 us."""
     block_n = 16 if n > 4096 and m <= 16 else 32
     split = 4 if triton.cdiv(n, block_n) < 128 and k >= 1024 else 1
+    if m > 16 and split == 4 and (k // 4) % 512:
+        block_n, split = 16, 2
     block_k = 512 if (k // split) % 512 == 0 and not (n > 4096 and m > 16) else 256
+    programs = triton.cdiv(n, block_n) * split
+    if m > 16:
+        return block_n, block_k, 2 if programs > 132 else 4, 4, split
     stage_bytes = (block_n + max(16, triton.next_power_of_2(m))) * block_k * 2
-    smem = 200_000 if triton.cdiv(n, block_n) * split <= 132 else 100_000
+    smem = 200_000 if programs <= 132 else 100_000
     return block_n, block_k, 4 if block_n == 32 else 2, min(4, smem // stage_bytes), split
 
 
