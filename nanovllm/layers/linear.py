@@ -7,6 +7,8 @@ takes the rank's `tp` (TensorParallel: rank and size) at construction. Each para
 into it, so packed projections (q/k/v into one QKV, gate/up into one) are filled from separate
 checkpoint tensors and no rank ever holds more than its shard.
 """
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -27,10 +29,19 @@ SKINNY_MAX_ROWS = 32  # no gain over cuBLAS at 64 rows (skinny_gemm.py)
 
 
 def few_rows(x: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
-    """A decode step of 2 to SKINNY_MAX_ROWS sequences in bf16/fp16 on CUDA with weights in x's
-    dtype: skinny_gemm.py's kernels take its products, norms and gate."""
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight_scale is None
-            and x.dim() == 2 and 2 <= x.size(0) <= SKINNY_MAX_ROWS)
+    """A decode step of 2 to SKINNY_MAX_ROWS sequences in bf16/fp16 on a Hopper or newer GPU (the
+    tilings assume its shared memory) with weights in x's dtype: skinny_gemm.py's kernels take its
+    products, norms and gate."""
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight_scale is None
+            and x.dim() == 2 and 2 <= x.size(0) <= SKINNY_MAX_ROWS):
+        return False
+    return _hopper(x.device)
+
+
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    from nanovllm.layers.pdl import hopper  # Triton: imported only on CUDA
+    return hopper(device)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, bias: torch.Tensor | None,

@@ -19,10 +19,15 @@ def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+def hopper(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0+ (Hopper or newer)."""
+    return device.type == "cuda" and _supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def pdl_args(device: torch.device) -> dict:
     """The launch arguments of a kernel that takes PDL: tl.constexpr and calls pdl_start: PDL on
     CUDA devices of compute capability 9.0+, off elsewhere (older GPUs, Triton's CPU interpreter)."""
-    on = device.type == "cuda" and _supported(device.index if device.index is not None else torch.cuda.current_device())
+    on = hopper(device)
     return {"PDL": on, "launch_pdl": on}
 
 
