@@ -13,7 +13,7 @@ from nanovllm.layers.fp8 import quantize_fp8  # noqa: E402
 from nanovllm.layers import skinny_gemm  # noqa: E402
 from nanovllm.layers.gemv import gemv, norm_gemv  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
-from nanovllm.layers.linear import ColumnParallelLinear, linear, norm_linear  # noqa: E402
+from nanovllm.layers.linear import ColumnParallelLinear, few_rows, linear, norm_linear  # noqa: E402
 from nanovllm.layers.skinny_gemm import rms_norm_rows, silu_and_mul_rows, skinny_linear  # noqa: E402
 from nanovllm.parallel.state import TensorParallel  # noqa: E402
 
@@ -155,7 +155,7 @@ def test_rms_norm_rows_and_silu_and_mul_rows(has_residual):
                               rtol=2**-9, atol=2**-14), (m, k)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("k,n", [(1024, 4096), (2048, 1024), (3072, 1024), (1024, 6144), (896, 1152)])
 @pytest.mark.parametrize("m", [2, 7, 16, 32])
 def test_linear_few_rows_on_the_gpu(k, n, m):
@@ -167,6 +167,7 @@ def test_linear_few_rows_on_the_gpu(k, n, m):
     gated = k == 3072
     x, res = (torch.randn(2, m, (2 if gated else 1) * k, device="cuda", generator=g) * 3).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+    assert few_rows(x, None)  # the skinny kernels, not cuBLAS
     y = linear(x, w, None, None, gated)
     ref = reference(x, w, None, None, gated)
     assert torch.allclose(y.double(), ref, rtol=2**-8, atol=2**-8 * ref.abs().max().item())

@@ -108,7 +108,7 @@ def skinny_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     4) as fit in 200 KB of shared memory, or in 100 KB where there are more programs than the H100's
     132 SMs, so that two share an SM (gate_up_proj at 16 rows: 9.2 us with 4 stages, 6.1 with 3).
     At 17-32 rows 4 stages, 2 warps where programs outnumber the SMs, and a split in 2 of 16-row
-    tiles where 4 slices would not be whole 512-wide steps (down_proj): a layer 30.5 -> 28.4 us."""
+    tiles where 4 slices would not be whole 512-wide steps (down_proj): a layer 30.4-30.8 -> 28.1-28.8 us."""
     block_n = 16 if n > 4096 and m <= 16 else 32
     split = 4 if triton.cdiv(n, block_n) < 128 and k >= 1024 else 1
     if m > 16 and split == 4 and (k // 4) % 512:
