@@ -121,11 +121,13 @@ def test_linear_one_row_on_the_gpu(k, n, fp8):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_linear_awkward_sizes(bias):
-    """skinny_gemm's tensor-core product of 2-33 rows: partial tiles in M, N and K, K split in 1-3
-    slices (one slice empty at k=200, split 3 of 128-wide steps), the split's counters back at zero."""
+    """skinny_gemm's tensor-core product of 2-48 rows: partial tiles in M, N and K, K split in 1-4
+    slices (one slice empty at k=200, split 3 of 128-wide steps, and at k=600, split 4), the default
+    tiling of 33-64 rows, the split's counters back at zero."""
     g = torch.Generator().manual_seed(20 + bias)
     for m, n, k, config in ((2, 37, 100, (16, 64, 4, 2, 1)), (5, 40, 300, (32, 64, 4, 2, 3)),
-                            (33, 16, 200, (16, 128, 4, 2, 3)), (16, 70, 1000, (32, 256, 4, 2, 2))):
+                            (33, 16, 200, (16, 128, 4, 2, 3)), (16, 70, 1000, (32, 256, 4, 2, 2)),
+                            (48, 70, 600, None)):
         x = (torch.randn(m, k + 8, generator=g) * 4).half().to(DEVICE)[:, :k]  # rows k + 8 apart
         w = (torch.randn(n, k, generator=g) * 0.05).half()
         b = torch.randn(n, generator=g).half() if bias else None
@@ -157,9 +159,9 @@ def test_rms_norm_rows_and_silu_and_mul_rows(has_residual):
 
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("k,n", [(1024, 4096), (2048, 1024), (3072, 1024), (1024, 6144), (896, 1152)])
-@pytest.mark.parametrize("m", [2, 7, 16, 32])
+@pytest.mark.parametrize("m", [2, 7, 16, 32, 48, 64])
 def test_linear_few_rows_on_the_gpu(k, n, m):
-    """linear() and norm_linear() at 2-32 rows of bf16 take skinny_gemm.py's kernels with the default
+    """linear() and norm_linear() at 2-64 rows of bf16 take skinny_gemm.py's kernels with the default
     tiling (K split where N is narrow; gated for down_proj's K), equal to the float64 product to
     bf16's rounding of the output (2^-8), the same bits on a second run (the split's sum has a
     fixed order), and the residual sum as RMSNorm returns it."""

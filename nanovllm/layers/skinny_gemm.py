@@ -1,11 +1,11 @@
-"""A decode step's products at a few rows, y = x W^T + b for x [M, K] with 2 <= M <= 32 (decode
+"""A decode step's products at a few rows, y = x W^T + b for x [M, K] with 2 <= M <= 64 (decode
 steps of a few sequences), and the RMSNorm and SwiGLU gate between them, as one chain of
 Triton kernels launched with PDL (layers/pdl.py).
 
 cuBLAS gives such products few, wide output tiles (an N = 1024 product runs on a handful of SMs,
 each streaming a large share of the weights) and its kernels do not let the next kernel launch
 early: 5.6-7.7 us per product at Qwen3-0.6B's shapes where the weights need 1.3-3.8 us at the
-H100's bandwidth. Here each program takes 16-32 weight rows on the tensor cores (the MMA's wide
+H100's bandwidth. Here each program takes 16-64 weight rows on the tensor cores (the MMA's wide
 side, "swap AB": y^T = W x^T, the few rows of x its narrow side), and products with few output
 tiles also split K, so that 128-384 programs stream the weights. The split's partial sums are
 added by the last program of each tile to finish (a counter per tile; in a fixed order, so
@@ -14,8 +14,9 @@ product loads its first weight tile before waiting for the previous kernel; that
 most of the gain, which is why the norm and the gate between the products are kernels of this
 chain too rather than the compiled torch ones. Measured on an H100 (benchmarks/decode_gemm.py, a
 layer's chain as the model runs it, us per layer): 30.8 -> 25.3 at M = 2, 31.7 -> 25.7 at 16,
-32.2 -> 30.6 at 32; none at 64, where cuBLAS stays. The GPU time of a decode step of 2-16
-sequences of Qwen3-0.6B: 0.16-0.21 ms less (NOTES.md, 2026-11-25, fifth session).
+32.2 -> 30.6 at 32, 33.4 -> 29.9 at 64; from 96 rows on under 2% (34.0 -> 33.4 at 96), so cuBLAS
+takes more than 64. The GPU time of a decode step of 2-16 sequences of Qwen3-0.6B: 0.16-0.21 ms
+less (NOTES.md, 2026-11-25, fifth and seventh sessions).
 """
 import torch
 import triton
@@ -108,7 +109,12 @@ def skinny_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     4) as fit in 200 KB of shared memory, or in 100 KB where there are more programs than the H100's
     132 SMs, so that two share an SM (gate_up_proj at 16 rows: 9.2 us with 4 stages, 6.1 with 3).
     At 17-32 rows 4 stages, 2 warps where programs outnumber the SMs, and a split in 2 of 16-row
-    tiles where 4 slices would not be whole 512-wide steps (down_proj): a layer 30.4-30.8 -> 28.1-28.8 us."""
+    tiles where 4 slices would not be whole 512-wide steps (down_proj): a layer 30.4-30.8 -> 28.1-28.8 us.
+    At 33-64 rows 64 weight rows per program (the full height of Hopper's MMA) in 128-wide K steps,
+    K split in 4 for outputs of up to 2048 (o_proj, down_proj): a layer 33.1-33.4 -> 28.7-29.9 us
+    against cuBLAS (NOTES.md, 2026-11-25, seventh session)."""
+    if m > 32:
+        return 64, 128, 4, 4, 4 if n <= 2048 else 1
     block_n = 16 if n > 4096 and m <= 16 else 32
     split = 4 if triton.cdiv(n, block_n) < 128 and k >= 1024 else 1
     if m > 16 and split == 4 and (k // 4) % 512:
