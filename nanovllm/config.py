@@ -50,6 +50,8 @@ class Config:
     bias, masks, temperature and filters). max_logprobs: the most logprobs or prompt_logprobs a
     request may ask for (vLLM's default 20; -1: no limit). distributed_executor_backend: where data-parallel replicas
     run: "mp" (processes of this host) or "ray" (actors on the Ray cluster, nanovllm/parallel/ray_replicas.py).
+    trust_remote_code: let transformers run the model folder's own Python code for its config and
+    tokenizer (vLLM's meaning); the model itself must still be an architecture nanovllm implements.
 
     After `create`, model is a local path, dtype and kv_cache_dtype torch.dtypes, device a torch.device, load_format,
     attention_backend and max_model_len concrete, and hf_config, tokenizer and eos_token_ids set.
@@ -77,6 +79,7 @@ class Config:
     logprobs_mode: str = "raw_logprobs"
     max_logprobs: int = 20
     distributed_executor_backend: str = "mp"
+    trust_remote_code: bool = False
     # resolved by create()
     hf_config: object = field(default=None, repr=False)
     tokenizer: object = field(default=None, repr=False, compare=False)
@@ -95,14 +98,14 @@ class Config:
         args = cls(model, **engine_args)
         args._validate()
         path, load_format = resolve_path(args.model, args.load_format)
-        hf_config = read_hf_config(path, load_format)
+        hf_config = read_hf_config(path, load_format, args.trust_remote_code)
         model_class(hf_config)  # an unsupported architecture fails before anything is loaded
         if load_format == "safetensors":
             safetensors_files(path)  # and so do missing weights
         _check_tensor_parallel(hf_config, args.tensor_parallel_size)
         device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                               else "cpu" if args.device == "auto" else args.device)
-        tok = load_tokenizer(path, load_format, hf_config) if with_tokenizer else None
+        tok = load_tokenizer(path, load_format, hf_config, args.trust_remote_code) if with_tokenizer else None
         dtype = _resolve_dtype(args.dtype, device, hf_config)
         backend = _resolve_backend(args.attention_backend, device, _head_dim(hf_config))
         return replace(args, model=path, load_format=load_format, hf_config=hf_config, tokenizer=tok, device=device,
@@ -128,6 +131,8 @@ class Config:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {self.max_logprobs!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.trust_remote_code, bool):
+            raise ValueError(f"trust_remote_code must be True or False, got {self.trust_remote_code!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.cpu_kvcache_space_gib > 0:

@@ -96,10 +96,16 @@ class LLM:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list
         of them, each rendered by the tokenizer's chat template (or `chat_template`);
         chat_template_kwargs go to the template (e.g. {"enable_thinking": False} for Qwen3).
-        ValueError when the model has no tokenizer or no chat template."""
+        ValueError when the model has no tokenizer or no chat template, or a message is not a dict
+        with "role" and "content" (some templates would drop it without a word)."""
         if self.tokenizer is None:
             raise ValueError("chat needs the model's tokenizer, and it has none")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        for i, conversation in enumerate(conversations):
+            for j, message in enumerate(conversation):
+                if not isinstance(message, dict) or "role" not in message or "content" not in message:
+                    raise ValueError(f"conversation {i}, message {j}: a message is a dict with \"role\" and "
+                                     f"\"content\", got {message!r}")
         try:
             prompts = [self.tokenizer.apply_chat_template(
                 conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt,

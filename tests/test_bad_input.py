@@ -29,7 +29,7 @@ def still_works(llm, hf_model):
     ([[1] * 65], None, "more than max_model_len=64"),
     (["text"], None, "no tokenizer"),
     ([[1], [2]], [SamplingParams()], "got 1 SamplingParams for 2 prompts"),
-    ([1, 2, 3], None, "list of strings or a list of token-id lists"),
+    ([1, 2, 3], None, "prompts must be a string, a .*prompt_token_ids.* dict, or a list of"),
     ([[1], 5], None, "request 1: a prompt must be a string or a list of ints"),
     ([[1, True]], None, "prompt token 1 is True, not an integer token id"),
     ([[1, 2.0]], None, "prompt token 1 is 2.0, not an integer token id"),
@@ -42,6 +42,12 @@ def still_works(llm, hf_model):
 def test_bad_prompts(llm, tiny_qwen3, prompts, params, message):
     with pytest.raises(ValueError, match=message):
         llm.generate(prompts, params, use_tqdm=False)
+    still_works(llm, tiny_qwen3[1])
+
+
+def test_sampling_params_of_the_wrong_type(llm, tiny_qwen3):
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them.*got dict"):
+        llm.generate([[1, 2]], {"temperature": 0}, use_tqdm=False)
     still_works(llm, tiny_qwen3[1])
 
 
@@ -115,11 +121,23 @@ def test_bad_engine_arguments(tiny_qwen3):
                             (dict(kv_cache_dtype="int4"), r"kv_cache_dtype must be one of \['auto', 'fp8', 'fp8_e4m3'\]"),
                             (dict(generation_config="mine"), "generation_config must be one of"),
                             (dict(max_logprobs=-2), "max_logprobs must be an integer >= 0, or -1"),
+                            (dict(trust_remote_code="yes"), "trust_remote_code must be True or False"),
                             (dict(num_kvcache_blocks=2, kvcache_block_size=16, max_model_len=64),
                              "raise num_kvcache_blocks")]:
         with pytest.raises(ValueError, match=message):
             LLM(path, **{"device": "cpu", **kwargs})
     assert os.path.isdir(path)
+
+
+def test_trust_remote_code_reaches_transformers(tiny_qwen3, monkeypatch):
+    """vLLM's trust_remote_code is accepted and passed to transformers' config loading."""
+    from nanovllm.loader import source
+    seen, from_pretrained = [], source.AutoConfig.from_pretrained
+    monkeypatch.setattr(source.AutoConfig, "from_pretrained",
+                        lambda *a, **kw: seen.append(kw.get("trust_remote_code")) or from_pretrained(*a, **kw))
+    llm = LLM(tiny_qwen3[0], device="cpu", trust_remote_code=True, kvcache_block_size=16, max_model_len=64)
+    assert seen == [True] and llm.config.trust_remote_code
+    still_works(llm, tiny_qwen3[1])
 
 
 def test_max_logprobs_minus_one_lifts_the_limit(tiny_qwen3):

@@ -278,6 +278,14 @@ def test_incremental_detokenizer_keeps_multibyte_characters_whole(demo):
     assert find_stop_string(detok.text, 3, ("🎉",)) == ("🎉", len(text) - 2)
 
 
+def test_chat_refuses_a_message_without_role_or_content(demo):
+    """Qwen's template would drop such a message silently and answer the system prompt alone."""
+    for bad in ({"content": "no role"}, {"role": "user"}, "just text"):
+        with pytest.raises(ValueError, match="conversation 0, message 1: a message is a dict with"):
+            demo.chat([{"role": "user", "content": "hi"}, bad], use_tqdm=False)
+    assert demo.engine.scheduler.is_finished()
+
+
 def test_stop_strings_cut_the_text(demo):
     messages = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
     free = demo.chat(messages, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]

@@ -43,11 +43,15 @@ class Processor:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or (prompts and all(isinstance(p, Integral) for p in prompts)):
-            raise ValueError("prompts must be a list of strings or a list of token-id lists")
+            raise ValueError("prompts must be a string, a {\"prompt_token_ids\": [...]} dict, or a list of "
+                             "strings, token-id lists or such dicts")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), "
+                            f"got {type(sampling_params).__name__}")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; "
                              f"pass one, or one per prompt")

@@ -46,20 +46,23 @@ def resolve_path(model: str, load_format: str) -> tuple[str, str]:
     return model, "dummy" if load_format == "dummy" else "safetensors"
 
 
-def read_hf_config(path: str, load_format: str) -> PretrainedConfig:
-    """The model's config; ValueError when it cannot be read."""
+def read_hf_config(path: str, load_format: str, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The model's config; ValueError when it cannot be read. trust_remote_code: transformers may run
+    the model folder's own Python code for it."""
     try:
         if load_format == "gguf":
             folder, name = os.path.split(path)
             return AutoConfig.from_pretrained(folder, gguf_file=name)
-        return AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:
         what = "GGUF file" if load_format == "gguf" else "config of"
         raise ValueError(f"cannot read {what} {path}: {e}") from None
 
 
-def load_tokenizer(path: str, load_format: str, hf_config: PretrainedConfig | None = None):
-    """The model's tokenizer, or None when it has none (token-id prompts still work). For a Qwen
+def load_tokenizer(path: str, load_format: str, hf_config: PretrainedConfig | None = None,
+                   trust_remote_code: bool = False):
+    """The model's tokenizer, or None when it has none (token-id prompts still work); with
+    trust_remote_code transformers may run the model folder's own tokenizer code. For a Qwen
     GGUF file the tokenizer class is named (hf_config.model_type): AutoTokenizer would otherwise
     rebuild the config from the file first, a ~15 s parse of its vocabulary on one CPU core that
     read_hf_config has just done (the same tokenizer either way). Other architectures keep
@@ -72,7 +75,7 @@ def load_tokenizer(path: str, load_format: str, hf_config: PretrainedConfig | No
     elif not os.path.isdir(path) or not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         return None
     try:
-        return AutoTokenizer.from_pretrained(path, **kwargs)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError):
         return None
 
