@@ -56,7 +56,8 @@ class LLM:
         Returns one finished RequestOutput per prompt, in input order.
 
         Raises ValueError("request i: ...") before any work if any request is invalid; then none of
-        the call's requests run (the whole call is refused, so a batch never half-runs). If an
+        the call's requests run (the whole call is refused, so a batch never half-runs); TypeError
+        when sampling_params is neither a SamplingParams nor a list of them. If an
         exception or KeyboardInterrupt interrupts the call, its requests are dropped, their blocks
         freed, and the engine is ready for the next call."""
         if sampling_params is None:

@@ -7,8 +7,6 @@ takes the rank's `tp` (TensorParallel: rank and size) at construction. Each para
 into it, so packed projections (q/k/v into one QKV, gate/up into one) are filled from separate
 checkpoint tensors and no rank ever holds more than its shard.
 """
-import functools
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -35,13 +33,8 @@ def few_rows(x: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight_scale is None
             and x.dim() == 2 and 2 <= x.size(0) <= SKINNY_MAX_ROWS):
         return False
-    return _hopper(x.device)
-
-
-@functools.cache
-def _hopper(device: torch.device) -> bool:
     from nanovllm.layers.pdl import hopper  # Triton: imported only on CUDA
-    return hopper(device)
+    return hopper(x.device)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, bias: torch.Tensor | None,
