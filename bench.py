@@ -141,8 +141,9 @@ def run_nanovllm(args, prompts, max_tokens):
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                     presence_penalty=args.presence_penalty, logprobs=args.logprobs, ignore_eos=True)
     params = [SamplingParams(n=args.n, max_tokens=m, **sampling) for m in max_tokens]
-    # the warm-up generate: one short prompt (as nano-vllm's bench), or --warmup-seqs of the workload's prompts
-    warm = prompts[:args.warmup_seqs] or [[1, 2, 3]]
+    # the warm-up generate: a short prompt (as nano-vllm's bench) for each data-parallel replica (the
+    # router gives equal prompts to the least loaded one), or --warmup-seqs of the workload's prompts
+    warm = prompts[:args.warmup_seqs] or [[1, 2, 3]] * args.data_parallel_size
     llm.generate(warm, SamplingParams(max_tokens=16, **sampling), use_tqdm=False)
     times = []
     for _ in range(args.repeat):
