@@ -39,6 +39,34 @@ def test_tensor_parallel_8b_matches_one_gpu():
     assert greedy("Qwen/Qwen3-8B", tensor_parallel_size=2) == greedy("Qwen/Qwen3-8B")
 
 
+def _row_parallel_rank(rank: int, store_path: str):
+    from nanovllm.layers.linear import RowParallelLinear, linear
+    from nanovllm.parallel.process_group import init_process_group, leave_process_group
+    from nanovllm.parallel.state import TensorParallel
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    init_process_group(rank, 2, store_path, device, (256, 1024), torch.bfloat16)
+    torch.manual_seed(rank)  # each rank its own shard
+    for gated in (False, True):
+        layer = RowParallelLinear(3072 if gated else 2048, 1024, TensorParallel(rank, 2), gated=gated)  # K 1536 or 1024
+        layer = layer.to(device, torch.bfloat16)
+        torch.nn.init.normal_(layer.weight, std=0.05)
+        # 1 row: the GEMV; 5 and 64: the skinny kernels; 100 and 256: cuBLAS; 300: past the buffer (NCCL)
+        for rows in (1, 5, 64, 100, 256, 300):
+            x = torch.randn(rows, layer.weight.size(1) * (2 if gated else 1), device=device, dtype=torch.bfloat16)
+            y = layer(x)
+            reference = linear(x, layer.weight, None, None, gated)  # this rank's partial sums, by the same kernel
+            torch.distributed.all_reduce(reference)  # through NCCL: two bf16 addends, rounded once either way
+            assert torch.equal(y, reference), (gated, rows, (y - reference).abs().max().item())
+    leave_process_group({})
+
+
+def test_row_parallel_symmetric_all_reduce(tmp_path):
+    """A row-parallel layer's partial sums written into the symmetric buffer and summed there equal
+    NCCL's sum of the same products, at every row count (each product kernel writes into the buffer)."""
+    torch.multiprocessing.spawn(_row_parallel_rank, args=(str(tmp_path / "store"),), nprocs=2)
+
+
 def test_data_parallel_matches_one_replica():
     assert greedy("Qwen/Qwen3-0.6B", data_parallel_size=2) == greedy("Qwen/Qwen3-0.6B")
 

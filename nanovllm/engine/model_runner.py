@@ -38,9 +38,11 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: Config, rank: int = 0, store_path: str | None = None, workers=None):
+    def __init__(self, config: Config, rank: int = 0, store_path: str | None = None, workers=None,
+                 symmetric: bool = False):
         """rank, store_path: this process's tensor-parallel rank and the FileStore where the ranks
-        meet (tensor_parallel_size > 1); workers: rank 0's TPWorkers (whose store_path it uses)."""
+        meet (tensor_parallel_size > 1); workers: rank 0's TPWorkers (whose store_path and symmetric
+        it uses); symmetric: all-reduce decode-sized tensors through symmetric memory."""
         self.config, self.hf_config = config, config.hf_config
         self.rank, self.world_size, self.workers = rank, config.tensor_parallel_size, workers
         self.device, self.dtype = config.device, config.dtype
@@ -48,7 +50,9 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.set_device(rank)
                 self.device = torch.device("cuda", rank)
-            init_process_group(rank, self.world_size, store_path or workers.store_path, self.device)
+            symmetric = workers.symmetric if workers else symmetric
+            init_process_group(rank, self.world_size, store_path or workers.store_path, self.device,
+                               (config.max_num_seqs, self.hf_config.hidden_size) if symmetric else None, self.dtype)
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.backend = make_backend(config.attention_backend)

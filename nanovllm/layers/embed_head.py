@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import one_row
+from nanovllm.parallel.process_group import all_reduce
 from nanovllm.parallel.state import TensorParallel
 
 
@@ -36,7 +37,7 @@ class VocabParallelEmbedding(nn.Module):
         local = x - self.vocab_start
         mask = (local >= 0) & (local < self.shard)
         y = F.embedding(local.clamp(0, self.shard - 1), self.weight) * mask.unsqueeze(1)
-        dist.all_reduce(y)
+        all_reduce(y)
         return y
 
 

@@ -8,13 +8,13 @@ into it, so packed projections (q/k/v into one QKV, gate/up into one) are filled
 checkpoint tensors and no rank ever holds more than its shard.
 """
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.fp8 import fp8_linear, quantize_fp8
 from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.parallel.process_group import all_reduce
 from nanovllm.parallel.state import TensorParallel
 
 
@@ -174,5 +174,5 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.weight_scale, self.bias if self.tp_rank == 0 else None, self.gated)
         if self.tp_size > 1:
-            dist.all_reduce(y)
+            all_reduce(y)
         return y

@@ -21,15 +21,15 @@ from dataclasses import replace
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.parallel.process_group import leave_process_group
+from nanovllm.parallel.process_group import leave_process_group, symmetric_memory_unused
 from nanovllm.parallel.processes import die_with_parent, stop_processes
 
 
-def _worker_main(config: Config, rank: int, store_path: str, conn, parent_pid: int):
+def _worker_main(config: Config, rank: int, store_path: str, symmetric: bool, conn, parent_pid: int):
     die_with_parent(parent_pid)
     from nanovllm.engine.model_runner import ModelRunner
     try:
-        runner = ModelRunner(config, rank=rank, store_path=store_path)
+        runner = ModelRunner(config, rank=rank, store_path=store_path, symmetric=symmetric)
         while (plan := conn.recv()) is not None:
             runner.execute(plan)
         # rank 0 asked the ranks to stop, and leaves the group with them
@@ -50,13 +50,14 @@ class TPWorkers:
         self.store_path = os.path.join(self.tmpdir, "store")
         self.broken: str | None = None  # why the ranks can no longer run steps together
         self.graphs = {}  # rank 0's CUDA graphs (its ModelRunner's): freed before the process group
+        self.symmetric = symmetric_memory_unused()  # all-reduces through symmetric memory, on every rank or none
         ctx = mp.get_context("spawn")
         config = replace(config, tokenizer=None)  # the workers detokenize nothing
         self.procs, self.conns = [], []
         for rank in range(1, config.tensor_parallel_size):
             recv, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_worker_main, name=f"nanovllm-tp{rank}", daemon=False,
-                               args=(config, rank, self.store_path, recv, os.getpid()))
+                               args=(config, rank, self.store_path, self.symmetric, recv, os.getpid()))
             proc.start()
             recv.close()
             self.procs.append(proc)
