@@ -85,6 +85,26 @@ def test_data_parallel_matches_one_replica(tiny_qwen3):
     assert all(p.exitcode == 0 for p in procs)
 
 
+def test_router_balances_kv_reads():
+    """Requests go to the replica with the least outstanding KV reads, largest first: a short prompt
+    with a long output outweighs a long prompt with a short one (their prompt + max_tokens are equal)."""
+    from nanovllm.config import Config
+    from nanovllm.parallel.replica_router import ReplicaRouter
+
+    class Recording(ReplicaRouter):  # the transport is all that is left out
+        abort_all_requests = reset_prefix_cache = None
+
+        def _send(self, i, batch):
+            sent[i] += [request_id for request_id, *_ in batch]
+
+    sent = {0: [], 1: []}
+    router = Recording(Config.create("Qwen/Qwen3-0.6B", load_format="dummy", device="cpu"), 2)
+    for request_id, prompt_len, max_tokens in [("long prompt", 1000, 10), ("long output", 10, 1000), ("middle", 500, 500)]:
+        router.add_request(request_id, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
+    router._dispatch()
+    assert sent == {0: ["long output"], 1: ["middle", "long prompt"]}
+
+
 def test_data_parallel_with_tensor_parallel(tiny_qwen3):
     prompts = workload()
     expected = completions(LLM(tiny_qwen3[0], **ARGS), prompts)

@@ -8,10 +8,19 @@ from nanovllm.engine.processor import Processor
 from nanovllm.outputs import RequestOutput
 
 
+def request_load(prompt_len: int, max_tokens: int, n: int = 1) -> float:
+    """A request's work for its replica, in tokens of KV cache read: its prompt prefilled, then each
+    of n completions reads its context at every decode step, prompt_len + t at step t, so
+    max_tokens x (prompt_len + max_tokens / 2) in all. Decode steps of many sequences are bound by
+    these reads (benchmarks/NOTES.md); prompt plus max_tokens, the earlier measure, left bench.py's
+    default workload's two replicas with floors 2.82 and 2.94 s, this one 2.876 and 2.881."""
+    return prompt_len + n * max_tokens * (prompt_len + max_tokens / 2)
+
+
 class ReplicaRouter(EngineBase):
     """What every data-parallel engine does in this process: validate each request once, hand it to
-    the replica with the least outstanding work (prompt plus n x max_tokens; a batch's requests go
-    largest first), and collect the RequestOutputs the replicas send back. Subclasses move the
+    the replica with the least outstanding work (see request_load; a batch's requests go largest
+    first), and collect the RequestOutputs the replicas send back. Subclasses move the
     messages: _send, _receive_outputs, _send_abort, abort_all_requests, reset_prefix_cache."""
 
     def __init__(self, config: Config, num_replicas: int):
@@ -33,7 +42,7 @@ class ReplicaRouter(EngineBase):
         request = self.processor.make_request(request_id, prompt, params)
         prompt = {"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}  # tokenized once
         max_tokens = params.max_tokens or self.config.max_model_len - len(request.prompt_token_ids)
-        self._pending.append((request_id, prompt, params, len(request.prompt_token_ids) + params.n * max_tokens))
+        self._pending.append((request_id, prompt, params, request_load(len(request.prompt_token_ids), max_tokens, params.n)))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending or self._owner)
