@@ -55,8 +55,8 @@ def chain(ms):
     tp = TensorParallel()
     layers = []
     for _ in range(LAYERS):
-        mods = (ColumnParallelLinear(HIDDEN, Q + 2 * KV, tp), RowParallelLinear(Q, HIDDEN, tp),
-                ColumnParallelLinear(HIDDEN, 2 * INTER, tp), RowParallelLinear(INTER, HIDDEN, tp, gated=True))
+        mods = (ColumnParallelLinear(HIDDEN, Q + 2 * KV, tp), RowParallelLinear(Q, HIDDEN, tp, slot=0),
+                ColumnParallelLinear(HIDDEN, 2 * INTER, tp), RowParallelLinear(INTER, HIDDEN, tp, slot=1, gated=True))
         for mod in mods:
             mod.weight.data.normal_(0, 0.02)
         layers.append([mod.cuda().bfloat16() for mod in mods])

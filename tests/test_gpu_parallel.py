@@ -39,31 +39,58 @@ def test_tensor_parallel_8b_matches_one_gpu():
     assert greedy("Qwen/Qwen3-8B", tensor_parallel_size=2) == greedy("Qwen/Qwen3-8B")
 
 
+@torch.inference_mode()  # as the engine runs (a product written to a buffer takes no autograd)
 def _row_parallel_rank(rank: int, store_path: str):
+    from nanovllm.layers.layernorm import RMSNorm
     from nanovllm.layers.linear import RowParallelLinear, linear
-    from nanovllm.parallel.process_group import init_process_group, leave_process_group
+    from nanovllm.parallel.process_group import (all_reduce_rms_norm, init_process_group, leave_process_group,
+                                                 partial_sums_buffer)
     from nanovllm.parallel.state import TensorParallel
-    device = torch.device("cuda", rank)
+    device, dtype = torch.device("cuda", rank), torch.bfloat16
     torch.cuda.set_device(device)
-    init_process_group(rank, 2, store_path, device, (256, 1024), torch.bfloat16)
-    torch.manual_seed(rank)  # each rank its own shard
-    for gated in (False, True):
-        layer = RowParallelLinear(3072 if gated else 2048, 1024, TensorParallel(rank, 2), gated=gated)  # K 1536 or 1024
-        layer = layer.to(device, torch.bfloat16)
+    init_process_group(rank, 2, store_path, device, (256, 1024), dtype)
+    torch.manual_seed(0)  # the norm's weight: the same on both ranks
+    norm = RMSNorm(1024).to(device, dtype)
+    torch.nn.init.normal_(norm.weight)
+    torch.manual_seed(1 + rank)  # each rank its own shards
+    tp = TensorParallel(rank, 2)
+    # the decoder's order: the embedding's slot with no residual, then o_proj's and down_proj's in turn
+    layers = [RowParallelLinear(2048, 1024, tp, slot=2)] + [RowParallelLinear(2048, 1024, tp, slot=0),
+                                                            RowParallelLinear(3072, 1024, tp, slot=1, gated=True)] * 3
+    for layer in layers[:3]:
+        layer.to(device, dtype)
         torch.nn.init.normal_(layer.weight, std=0.05)
-        # 1 row: the GEMV; 5 and 64: the skinny kernels; 100 and 256: cuBLAS; 300: past the buffer (NCCL)
-        for rows in (1, 5, 64, 100, 256, 300):
-            x = torch.randn(rows, layer.weight.size(1) * (2 if gated else 1), device=device, dtype=torch.bfloat16)
-            y = layer(x)
-            reference = linear(x, layer.weight, None, None, gated)  # this rank's partial sums, by the same kernel
-            torch.distributed.all_reduce(reference)  # through NCCL: two bf16 addends, rounded once either way
-            assert torch.equal(y, reference), (gated, rows, (y - reference).abs().max().item())
+    eps = torch.finfo(dtype).eps
+    # 1 row: the GEMV; 5 and 64: the skinny kernels; 100 and 256: cuBLAS; 300: past the buffer (NCCL)
+    for rows in (1, 5, 64, 100, 256, 300):
+        residual = None
+        for layer in layers:
+            x = torch.randn(rows, layer.weight.size(1) * (2 if layer.gated else 1), device=device, dtype=dtype)
+            partial = layer(x)
+            buffer = partial_sums_buffer(rows, dtype, layer.slot)
+            assert (buffer is not None and partial.data_ptr() == buffer.data_ptr()) == (rows <= 256), rows
+            assert torch.equal(partial, linear(x, layer.weight, None, None, layer.gated))  # the same kernel
+            total = partial.float()
+            torch.distributed.all_reduce(total)  # two bf16 addends: exact in float32, then rounded once
+            r_ref = total.to(dtype) if residual is None else (total.to(dtype).float() + residual.float()).to(dtype)
+            y, r = all_reduce_rms_norm(partial, residual, norm)
+            assert torch.equal(r, r_ref), (rows, layer.slot, (r.float() - r_ref.float()).abs().max().item())
+            if rows > 256:  # NCCL's sum, then the model's own norm
+                summed = total.to(dtype)
+                assert torch.equal(y, norm(summed) if residual is None else norm(summed, residual)[0])
+            else:  # the kernel: two roundings (the normalised value's, the weight product's) off float32
+                rf = r_ref.float()
+                y_ref = rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()
+                assert ((y.float() - y_ref).abs() <= 1.01 * eps * y_ref.abs()).all(), (rows, layer.slot)
+            residual = r
     leave_process_group({})
 
 
-def test_row_parallel_symmetric_all_reduce(tmp_path):
-    """A row-parallel layer's partial sums written into the symmetric buffer and summed there equal
-    NCCL's sum of the same products, at every row count (each product kernel writes into the buffer)."""
+def test_row_parallel_all_reduce_rms_norm(tmp_path):
+    """The row-parallel products' partial sums summed with the residual add and RMSNorm after them,
+    in the decoder's order of symmetric buffers: at up to 256 rows each product kernel writes into
+    its buffer and one kernel sums and normalises, its sum NCCL's exactly and its output within two
+    bf16 roundings of the float32 norm of that sum; at 300 rows NCCL sums and the model's norm runs."""
     torch.multiprocessing.spawn(_row_parallel_rank, args=(str(tmp_path / "store"),), nprocs=2)
 
 

@@ -42,7 +42,7 @@ class ModelRunner:
                  symmetric: bool = False):
         """rank, store_path: this process's tensor-parallel rank and the FileStore where the ranks
         meet (tensor_parallel_size > 1); workers: rank 0's TPWorkers (whose store_path and symmetric
-        it uses); symmetric: all-reduce decode-sized tensors through symmetric memory."""
+        it uses); symmetric: sum decode-sized partial sums through symmetric memory (process_group)."""
         self.config, self.hf_config = config, config.hf_config
         self.rank, self.world_size, self.workers = rank, config.tensor_parallel_size, workers
         self.device, self.dtype = config.device, config.dtype

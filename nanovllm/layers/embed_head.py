@@ -4,15 +4,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import one_row
-from nanovllm.parallel.process_group import all_reduce
+from nanovllm.parallel.process_group import EMBEDDING_SLOT, partial_sums_buffer
 from nanovllm.parallel.state import TensorParallel
 
 
 class VocabParallelEmbedding(nn.Module):
     """Token embedding whose vocabulary rows are split evenly across tensor-parallel ranks.
 
-    forward(input_ids [T] int64) -> [T, embedding_dim]; rows owned by other ranks are zero
-    here and summed in by the all-reduce.
+    forward(input_ids [T] int64) -> [T, embedding_dim]. With tp_size > 1 that is this rank's partial
+    sum: the rows of tokens other ranks own are zero here, and the first norm sums the ranks'
+    (all_reduce_rms_norm), written into symmetric memory where partial_sums_buffer has room.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallel):
@@ -36,9 +37,9 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(x, self.weight)
         local = x - self.vocab_start
         mask = (local >= 0) & (local < self.shard)
-        y = F.embedding(local.clamp(0, self.shard - 1), self.weight) * mask.unsqueeze(1)
-        all_reduce(y)
-        return y
+        out = partial_sums_buffer(x.size(0), self.weight.dtype, EMBEDDING_SLOT)
+        y = F.embedding(local.clamp(0, self.shard - 1), self.weight)
+        return torch.mul(y, mask.unsqueeze(1), out=out) if out is not None else y * mask.unsqueeze(1)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -14,7 +14,7 @@ from torch import nn
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.fp8 import fp8_linear, quantize_fp8
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.parallel.process_group import all_reduce
+from nanovllm.parallel.process_group import all_reduce_rms_norm, partial_sums_buffer
 from nanovllm.parallel.state import TensorParallel
 
 
@@ -38,29 +38,41 @@ def few_rows(x: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, bias: torch.Tensor | None,
-           gated: bool = False) -> torch.Tensor:
+           gated: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """y = a W^T + b for x [..., in] (gated: x = [gate | up] [..., 2 * in] and a = silu(gate) * up,
-    else a = x), weight [out, in] in x's dtype or float8 with weight_scale [out] -> [..., out].
+    else a = x), weight [out, in] in x's dtype or float8 with weight_scale [out] -> [..., out],
+    written to out (contiguous, x's shape but the last dim) when given.
     bf16/fp16 on CUDA: one row (a decode step of one sequence) gemv.gemv, the gate fused into its
     loads; a few rows skinny_gemm.py's gate and product kernels; otherwise F.linear, or
     fp8_linear for a float8 weight."""
     if one_row(x):
         from nanovllm.layers.gemv import gemv
-        return gemv(x, weight, weight_scale, bias, gated)
+        return gemv(x, weight, weight_scale, bias, gated, out=out)
     if few_rows(x, weight_scale):
         from nanovllm.layers.skinny_gemm import silu_and_mul_rows, skinny_linear
-        return skinny_linear(silu_and_mul_rows(x) if gated else x, weight, bias)
+        return skinny_linear(silu_and_mul_rows(x) if gated else x, weight, bias, out=out)
     if gated:
         x = silu_and_mul(x)
-    return F.linear(x, weight, bias) if weight_scale is None else fp8_linear(x, weight, weight_scale, bias)
+    if weight_scale is not None:
+        y = fp8_linear(x, weight, weight_scale, bias)
+        return y if out is None else out.copy_(y)
+    if out is None:
+        return F.linear(x, weight, bias)
+    torch.matmul(x, weight.t(), out=out)
+    return out if bias is None else out.add_(bias)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
                 layer: "ColumnParallelLinear") -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm block's first product: (layer(norm(r)), r) for r = x + residual, or r = x when
-    residual is None; x, residual: [num_tokens, hidden_size]. bf16/fp16 on CUDA: one row, one
-    GEMV kernel, the norm computed while loading x; a few rows (see linear), skinny_gemm.py's
-    norm and product kernels; otherwise RMSNorm, then the layer."""
+    residual is None; x, residual: [num_tokens, hidden_size]. With tensor parallelism x is this
+    rank's partial sums (RowParallelLinear's or the embedding's), summed over the ranks with the
+    add and the norm (all_reduce_rms_norm). bf16/fp16 on CUDA: one row, one GEMV kernel, the norm
+    computed while loading x; a few rows (see linear), skinny_gemm.py's norm and product kernels;
+    otherwise RMSNorm, then the layer."""
+    if layer.tp_size > 1:
+        x, residual = all_reduce_rms_norm(x, residual, norm)
+        return layer(x), residual
     if one_row(x):
         from nanovllm.layers.gemv import norm_gemv
         return norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, layer.weight_scale, layer.bias)
@@ -162,17 +174,16 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Shards the input features; partial outputs are summed across ranks (bias added once).
-    gated: the input is [gate | up] (each this rank's shard) and the layer multiplies silu(gate) * up
-    (SwiGLU's down_proj; see linear)."""
+    """Shards the input features. With tp_size > 1, forward returns this rank's partial sums (bias
+    added on rank 0), which the next norm sums over the ranks (all_reduce_rms_norm), written into
+    symmetric buffer `slot` where partial_sums_buffer has one. gated: the input is [gate | up] (each
+    this rank's shard) and the layer multiplies silu(gate) * up (SwiGLU's down_proj; see linear)."""
 
-    def __init__(self, input_size: int, output_size: int, tp: TensorParallel, bias: bool = False,
+    def __init__(self, input_size: int, output_size: int, tp: TensorParallel, slot: int, bias: bool = False,
                  gated: bool = False):
         super().__init__(input_size // tp.size, output_size, bias, 1, tp)
-        self.gated = gated
+        self.slot, self.gated = slot, gated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.weight_scale, self.bias if self.tp_rank == 0 else None, self.gated)
-        if self.tp_size > 1:
-            all_reduce(y)
-        return y
+        out = partial_sums_buffer(x.size(0), x.dtype, self.slot) if self.tp_size > 1 and x.dim() == 2 else None
+        return linear(x, self.weight, self.weight_scale, self.bias if self.tp_rank == 0 else None, self.gated, out)

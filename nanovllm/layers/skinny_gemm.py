@@ -144,9 +144,10 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                  config: tuple[int, int, int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16; rows may be strided, columns contiguous) @ weight [N, K]^T (x's dtype) +
-    bias [N] -> [M, N] in x's dtype; M at most 64 (tiles of next_power_of_2(M) >= 16 rows).
+    bias [N] -> [M, N] in x's dtype (written to out, contiguous, when given); M at most 64 (tiles of
+    next_power_of_2(M) >= 16 rows).
     config: (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K), by default skinny_config's."""
     m = x.size(0)
     n, k = weight.shape
@@ -154,7 +155,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"skinny_linear takes 1 to 64 rows, got {m}")
     block_n, block_k, warps, stages, split = config or skinny_config(m, n, k)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     tiles = triton.cdiv(n, block_n)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     counters = _tile_counters(x.device, tiles) if split > 1 else y

@@ -12,6 +12,7 @@ from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, norm_linear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.parallel.process_group import all_reduce_rms_norm
 from nanovllm.parallel.state import TensorParallel
 
 
@@ -25,7 +26,7 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, tp, bias=qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, tp)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, tp, slot=0)
         norms = None
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -49,7 +50,7 @@ class DecoderMLP(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], tp)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp, gated=True)  # silu(gate) * up first
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp, slot=1, gated=True)  # silu(gate) * up first
 
 
 class DecoderLayer(nn.Module):
@@ -76,12 +77,14 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, qkv_bias, qk_norm, tp, backend)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tp_size = tp.size
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, meta)
-        x, _ = self.norm(x, residual)
+        # with tensor parallelism x is each rank's partial sums, summed with the norm
+        x, _ = all_reduce_rms_norm(x, residual, self.norm) if self.tp_size > 1 else self.norm(x, residual)
         return x
 
 

@@ -1,14 +1,17 @@
-"""The tensor-parallel ranks' process group: NCCL on GPUs, gloo on CPU, and the all-reduce of
-the row-parallel products' partial sums. Ranks meet through a FileStore in a fresh temporary
+"""The tensor-parallel ranks' process group: NCCL on GPUs, gloo on CPU, and the sums of the
+row-parallel products' partial sums. Ranks meet through a FileStore in a fresh temporary
 directory: no fixed port or shared-memory name, so engines on one host never collide.
 
-On GPUs a decode step's all-reduces (two per layer, a few KB to a few MB each) go through a
-buffer in PyTorch's symmetric memory, which every rank maps: its two-shot kernel (each rank sums
-its share of the peers' buffers over NVLink, then gathers the others' shares) takes 8.6-15.5 us
-where NCCL's takes 16.4-37.7 (2 x H100, 1-256 rows of 1024-4096, inside CUDA graphs). In a TP=2
-decode step of 256 sequences of Qwen3-8B the 73 all-reduces took 2.48 ms on NCCL and 1.47 with
-their copies here; `bench.py --model qwen3-8b --tp 2` 11.17 -> 10.88 s (benchmarks/NOTES.md,
-2026-11-25, eighth and ninth sessions). Larger ones (prefill) keep NCCL."""
+With tensor parallelism every row-parallel product (o_proj, down_proj) and the embedding leave
+each rank's partial sums, and the RMSNorm after them sums those first (all_reduce_rms_norm). With
+two GPUs, a step of up to max_num_seqs rows does it in one kernel (all_reduce_norm_kernel): each
+product writes straight into one of three buffers in PyTorch's symmetric memory, which both ranks
+map, and the norm's kernel reads the peer's partial sums over NVLink. In a TP=2 decode step of 256
+sequences of Qwen3-8B (2 x H100) the 73 sums took 2.48 ms in NCCL's all-reduces, 1.47 in
+PyTorch's two-shot symmetric-memory all-reduce with its copies, and take 1.02 here, norms
+included; `bench.py --model qwen3-8b --tp 2` 10.85 -> 10.20 s against the two-shot kernel
+(benchmarks/NOTES.md, 2026-11-25). Larger steps (prefill), more ranks and CPUs use
+torch.distributed's all_reduce, then the norm."""
 import logging
 from datetime import timedelta
 
@@ -16,11 +19,14 @@ import torch
 import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
-_symmetric: dict[str, object] = {}  # "buffer": this rank's symmetric-memory tensor, "group": the group's name
+# "buffers": this rank's three symmetric [max_rows, hidden] tensors and "peer_buffers" the peer's,
+# "flags"/"peer_flags": the kernel's [max_rows, 2] int32 meeting flags, "rank": this rank
+_symmetric: dict[str, object] = {}
 # PyTorch's rendezvous names its store keys by a count of the rendezvous this process has made, so
 # ranks agree only while each has made as many: new worker processes have made none, so only the
 # first TP engine of rank 0's process uses symmetric memory (tp_workers.TPWorkers decides).
 _rendezvous_made = False
+EMBEDDING_SLOT = 2  # o_proj writes slot 0 and down_proj slot 1: consecutive sums never share a buffer
 
 
 def symmetric_memory_unused() -> bool:
@@ -31,9 +37,9 @@ def symmetric_memory_unused() -> bool:
 def init_process_group(rank: int, size: int, store_path: str, device: torch.device,
                        symmetric_shape: tuple[int, int] | None = None, dtype: torch.dtype = torch.bfloat16):
     """Join the engine's process group: NCCL on CUDA (one GPU per rank), gloo on CPU.
-    symmetric_shape: on CUDA, all_reduce takes tensors of up to that many rows of that width in
-    `dtype` (bfloat16 or float32: PyTorch's kernels take no other) through symmetric memory; every
-    rank passes it or none does (see symmetric_memory_unused).
+    symmetric_shape: (max_rows, hidden_size): with two CUDA ranks, partial sums of up to that many
+    rows in `dtype` are summed through symmetric memory (see partial_sums_buffer); every rank
+    passes it or none does (see symmetric_memory_unused).
     Raises RuntimeError if this process already belongs to another engine's group."""
     if dist.is_initialized():
         raise RuntimeError("this process already has a torch.distributed group: its own, or a live "
@@ -42,32 +48,53 @@ def init_process_group(rank: int, size: int, store_path: str, device: torch.devi
     store = dist.FileStore(store_path, size)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timedelta(minutes=10))
-    if device.type == "cuda" and symmetric_shape and dtype in (torch.bfloat16, torch.float32):
-        import torch.distributed._symmetric_memory as symm_mem
+    if device.type == "cuda" and symmetric_shape and size == 2:
         global _rendezvous_made
         _rendezvous_made = True
         try:  # collective: every rank gets here together
-            buffer = symm_mem.empty(symmetric_shape, dtype=dtype, device=device)
-            symm_mem.rendezvous(buffer, dist.group.WORLD.group_name)
+            buffers = [_mapped(symmetric_shape, dtype, device, rank) for _ in range(3)]
+            flags, peer_flags = _mapped((symmetric_shape[0], 2), torch.int32, device, rank)
         except RuntimeError as e:  # no peer access between the GPUs, say
             logger.warning("symmetric memory unavailable (%s); all-reduces use NCCL", e)
-        else:
-            _symmetric.update(buffer=buffer, group=dist.group.WORLD.group_name)
+            return
+        flags.zero_()
+        torch.cuda.synchronize(device)
+        dist.barrier(device_ids=[device.index])  # both ranks' flags are zero before either kernel runs
+        _symmetric.update(buffers=[b for b, _ in buffers], peer_buffers=[p for _, p in buffers], flags=flags,
+                          peer_flags=peer_flags, rank=rank)
 
 
-def all_reduce(y: torch.Tensor) -> torch.Tensor:
-    """Sum y [rows, width] over the tensor-parallel ranks, in place (every rank gets the same
-    sums); returns y. Through the symmetric buffer when y fits it (same dtype and width, no more
-    rows), else torch.distributed's all_reduce."""
-    buffer = _symmetric.get("buffer")
-    if buffer is None or y.dtype != buffer.dtype or y.dim() != 2 or y.size(1) != buffer.size(1) \
-            or y.size(0) > buffer.size(0):
-        dist.all_reduce(y)
-        return y
-    shared = buffer[:y.size(0)]
-    shared.copy_(y)
-    torch.ops.symm_mem.two_shot_all_reduce_(shared, "sum", _symmetric["group"])
-    return y.copy_(shared)
+def _mapped(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
+            rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A new tensor in this rank's symmetric memory and the other rank's twin, mapped here."""
+    import torch.distributed._symmetric_memory as symm_mem
+    mine = symm_mem.empty(shape, dtype=dtype, device=device)
+    return mine, symm_mem.rendezvous(mine, dist.group.WORLD.group_name).get_buffer(1 - rank, shape, dtype)
+
+
+def partial_sums_buffer(rows: int, dtype: torch.dtype, slot: int) -> torch.Tensor | None:
+    """Where a product of `rows` rows in `dtype` should write this rank's partial sums for
+    all_reduce_rms_norm to sum them in one kernel: symmetric buffer `slot` (0: o_proj, 1:
+    down_proj, EMBEDDING_SLOT) as [rows, hidden_size]; None when that path does not apply (no
+    symmetric memory, more rows, another dtype)."""
+    buffers = _symmetric.get("buffers")
+    if buffers is None or dtype != buffers[slot].dtype or rows > buffers[slot].size(0):
+        return None
+    return buffers[slot][:rows]
+
+
+def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(r), r) for r = (x summed over the ranks) + residual (or no residual: None), where x
+    [rows, hidden_size] is this rank's partial sums and norm a layernorm.RMSNorm. One kernel when x
+    is the partial_sums_buffer it was written to; else torch.distributed's all_reduce (in place),
+    then the norm."""
+    slot = next((i for i, b in enumerate(_symmetric.get("buffers", ())) if x.data_ptr() == b.data_ptr()), None)
+    if slot is None or x.shape[1:] != _symmetric["buffers"][slot].shape[1:]:
+        dist.all_reduce(x)
+        return (norm(x), x) if residual is None else norm(x, residual)
+    from nanovllm.parallel.all_reduce_norm_kernel import all_reduce_rms_norm_2
+    return all_reduce_rms_norm_2(x, _symmetric["peer_buffers"][slot][:x.size(0)], _symmetric["flags"],
+                                 _symmetric["peer_flags"], _symmetric["rank"], residual, norm.weight, norm.eps)
 
 
 def leave_process_group(graphs: dict):
