@@ -59,6 +59,7 @@ def all_reduce_rms_norm_2(own: torch.Tensor, peer: torch.Tensor, flags: torch.Te
     y, r = torch.empty_like(own), torch.empty_like(own)
     all_reduce_rms_norm_kernel[(rows,)](
         own, peer, flags, peer_flags, own if residual is None else residual, weight, y, r, k, eps, RANK=rank,
-        HAS_RESIDUAL=residual is not None, BLOCK_K=triton.next_power_of_2(k), num_warps=4 if k <= 2048 else 8,
+        HAS_RESIDUAL=residual is not None, BLOCK_K=triton.next_power_of_2(k),
+        num_warps=4,  # 256 rows of 4096: 12.4 us, 13.3 with 8 warps (2 x H100, NOTES.md 2026-11-25)
         **pdl_args(own.device))
     return y, r
