@@ -27,6 +27,7 @@ from nanovllm.parallel.processes import die_with_parent, stop_processes
 
 def _worker_main(config: Config, rank: int, store_path: str, symmetric: bool, conn, parent_pid: int):
     die_with_parent(parent_pid)
+    conn.send("started")  # past the spawn bootstrap, which re-imports the parent's main module
     from nanovllm.engine.model_runner import ModelRunner
     try:
         runner = ModelRunner(config, rank=rank, store_path=store_path, symmetric=symmetric)
@@ -55,14 +56,36 @@ class TPWorkers:
         config = replace(config, tokenizer=None)  # the workers detokenize nothing
         self.procs, self.conns = [], []
         for rank in range(1, config.tensor_parallel_size):
-            recv, send = ctx.Pipe(duplex=False)
+            worker_end, conn = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, name=f"nanovllm-tp{rank}", daemon=False,
-                               args=(config, rank, self.store_path, self.symmetric, recv, os.getpid()))
+                               args=(config, rank, self.store_path, self.symmetric, worker_end, os.getpid()))
             proc.start()
-            recv.close()
+            worker_end.close()
             self.procs.append(proc)
-            self.conns.append(send)
-        weakref.finalize(self, _shutdown, self.procs, self.conns, self.tmpdir, self.graphs)
+            self.conns.append(conn)
+        shutdown = weakref.finalize(self, _shutdown, self.procs, self.conns, self.tmpdir, self.graphs)
+        try:
+            self._wait_started()
+        except RuntimeError:
+            shutdown()
+            raise
+
+    def _wait_started(self):
+        """Wait until every worker runs _worker_main, so that one that died on the way (in the
+        spawn bootstrap, say) fails the start at once instead of leaving rank 0 in the process
+        group's rendezvous until its 10-minute timeout. Raises RuntimeError naming the rank."""
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1):
+            try:
+                while not conn.poll(0.05):
+                    if proc.exitcode is not None and not conn.poll():
+                        raise EOFError
+                conn.recv()
+            except EOFError:  # it exited, or closed the pipe on its way out, before saying it started
+                proc.join(10)
+                raise RuntimeError(
+                    f"tensor-parallel worker rank {rank} exited with code {proc.exitcode} while starting (its "
+                    "error is printed above). Workers are spawned: each imports your main module again, so "
+                    "a script must create the LLM under `if __name__ == \"__main__\":`") from None
 
     def check(self):
         """Raise RuntimeError if a worker has died or the ranks are out of step."""
