@@ -215,17 +215,19 @@ def test_failed_start_leaves_nothing_behind(tiny_qwen3, tmp_path):
     assert completions(LLM(tiny_qwen3[0], tensor_parallel_size=2, **ARGS), [[1, 2, 3]])  # the next engine starts
 
 
-def test_script_without_main_guard_fails_fast(tiny_qwen3, tmp_path):
-    """A script that creates a TP engine at module level: each spawned worker re-imports it and
-    dies in multiprocessing's bootstrap; rank 0 says so at once (it waited in the rendezvous for
-    its 10-minute timeout before)."""
+@pytest.mark.parametrize("parallel,dead", [("tensor_parallel_size", "worker rank 1 exited with code 1 while starting"),
+                                           ("data_parallel_size", "replica 0 (pid ")])
+def test_script_without_main_guard_fails_fast(tiny_qwen3, tmp_path, parallel, dead):
+    """A script that creates a parallel engine at module level: each spawned worker or replica
+    re-imports it and dies in multiprocessing's bootstrap; the start says so at once and names
+    the guard (TP waited in the rendezvous for its 10-minute timeout before)."""
     script = tmp_path / "no_guard.py"
-    script.write_text(f"from nanovllm import LLM\nLLM({tiny_qwen3[0]!r}, tensor_parallel_size=2, **{ARGS!r})\n")
+    script.write_text(f"from nanovllm import LLM\nLLM({tiny_qwen3[0]!r}, {parallel}=2, **{ARGS!r})\n")
     start = time.monotonic()
     root = os.path.dirname(os.path.dirname(os.path.abspath(nanovllm.__file__)))  # this checkout's nanovllm
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": root})
     assert run.returncode != 0
-    assert "worker rank 1 exited with code 1 while starting" in run.stderr, run.stderr[-2000:]
+    assert dead in run.stderr and "while starting" in run.stderr, run.stderr[-2000:]
     assert 'if __name__ == "__main__":' in run.stderr
     assert time.monotonic() - start < 120

@@ -95,7 +95,9 @@ class DataParallelEngine(ReplicaRouter):
             self.conns.append(conn)
         weakref.finalize(self, stop_processes, self.procs, self.conns, 30)
         self._last_heard = [time.monotonic()] * len(self.conns)
+        self._started = False
         self._set_max_model_len(min(self._receive(i)[1] for i in range(len(self.conns))))  # ("ready", max_model_len)
+        self._started = True
 
     @staticmethod
     def _gpu_groups(config: Config) -> list[str]:
@@ -147,6 +149,10 @@ class DataParallelEngine(ReplicaRouter):
 
     def _dead(self, i: int) -> RuntimeError:
         proc = self.procs[i]
+        if not self._started:
+            return RuntimeError(f"data-parallel replica {i} (pid {proc.pid}) exited with code {proc.exitcode} while "
+                                "starting (its error is printed above). Replicas are spawned: each imports your main "
+                                'module again, so a script must create the LLM under `if __name__ == "__main__":`')
         return RuntimeError(f"data-parallel replica {i} (pid {proc.pid}) exited with code {proc.exitcode}; "
                             f"create a new LLM")
 
