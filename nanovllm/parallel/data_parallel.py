@@ -18,7 +18,7 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.outputs import RequestOutput
-from nanovllm.parallel.processes import die_with_parent, stop_processes
+from nanovllm.parallel.processes import die_with_parent, died_while_starting, stop_processes
 from nanovllm.parallel.replica_router import ReplicaRouter
 
 REPLY_TIMEOUT_S = 600  # the longest a busy replica may stay silent (one engine step, or its start-up)
@@ -150,9 +150,7 @@ class DataParallelEngine(ReplicaRouter):
     def _dead(self, i: int) -> RuntimeError:
         proc = self.procs[i]
         if not self._started:
-            return RuntimeError(f"data-parallel replica {i} (pid {proc.pid}) exited with code {proc.exitcode} while "
-                                "starting (its error is printed above). Replicas are spawned: each imports your main "
-                                'module again, so a script must create the LLM under `if __name__ == "__main__":`')
+            return died_while_starting(f"data-parallel replica {i} (pid {proc.pid})", proc.exitcode)
         return RuntimeError(f"data-parallel replica {i} (pid {proc.pid}) exited with code {proc.exitcode}; "
                             f"create a new LLM")
 

@@ -89,7 +89,7 @@ def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm) ->
     is the partial_sums_buffer it was written to; else torch.distributed's all_reduce (in place),
     then the norm."""
     slot = next((i for i, b in enumerate(_symmetric.get("buffers", ())) if x.data_ptr() == b.data_ptr()), None)
-    if slot is None or x.shape[1:] != _symmetric["buffers"][slot].shape[1:]:
+    if slot is None:
         dist.all_reduce(x)
         return (norm(x), x) if residual is None else norm(x, residual)
     from nanovllm.parallel.all_reduce_norm_kernel import all_reduce_rms_norm_2

@@ -1,5 +1,5 @@
-"""Child processes (tensor-parallel workers, data-parallel replicas): they die with their parent
-and are stopped within a deadline."""
+"""Child processes (tensor-parallel workers, data-parallel replicas): they die with their parent,
+are stopped within a deadline, and one that dies while starting says why that usually is."""
 import ctypes
 import os
 import signal
@@ -16,6 +16,14 @@ def die_with_parent(parent_pid: int):
         pass  # not Linux: the parent's pipe closing still ends the child's loop
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def died_while_starting(name: str, exitcode: int | None) -> RuntimeError:
+    """The error for a child that exited before it began its work: most often a script that creates
+    the LLM at module level, which each spawned child imports again and dies in the bootstrap of."""
+    return RuntimeError(f"{name} exited with code {exitcode} while starting (its error is printed above). Workers and "
+                        "replicas are spawned: each imports your main module again, so a script must create the LLM "
+                        'under `if __name__ == "__main__":`')
 
 
 def stop_processes(procs, conns, timeout: float):

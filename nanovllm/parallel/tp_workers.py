@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.parallel.process_group import leave_process_group, symmetric_memory_unused
-from nanovllm.parallel.processes import die_with_parent, stop_processes
+from nanovllm.parallel.processes import die_with_parent, died_while_starting, stop_processes
 
 
 def _worker_main(config: Config, rank: int, store_path: str, symmetric: bool, conn, parent_pid: int):
@@ -82,10 +82,7 @@ class TPWorkers:
                 conn.recv()
             except EOFError:  # it exited, or closed the pipe on its way out, before saying it started
                 proc.join(10)
-                raise RuntimeError(
-                    f"tensor-parallel worker rank {rank} exited with code {proc.exitcode} while starting (its "
-                    "error is printed above). Workers are spawned: each imports your main module again, so "
-                    "a script must create the LLM under `if __name__ == \"__main__\":`") from None
+                raise died_while_starting(f"tensor-parallel worker rank {rank}", proc.exitcode) from None
 
     def check(self):
         """Raise RuntimeError if a worker has died or the ranks are out of step."""
