@@ -43,12 +43,12 @@ def test_tensor_parallel_8b_matches_one_gpu():
 def _row_parallel_rank(rank: int, store_path: str):
     from nanovllm.layers.layernorm import RMSNorm
     from nanovllm.layers.linear import RowParallelLinear, linear
-    from nanovllm.parallel.process_group import (all_reduce_rms_norm, init_process_group, leave_process_group,
-                                                 partial_sums_buffer)
+    from nanovllm.parallel.process_group import (SEND_CHUNK_MIN_ROWS, SEND_CHUNKS, all_reduce_rms_norm,
+                                                 init_process_group, leave_process_group, partial_sums_buffer)
     from nanovllm.parallel.state import TensorParallel
     device, dtype = torch.device("cuda", rank), torch.bfloat16
     torch.cuda.set_device(device)
-    init_process_group(rank, 2, store_path, device, (256, 1024), dtype)
+    init_process_group(rank, 2, store_path, device, (256, 4100, 1024), dtype)
     torch.manual_seed(0)  # the norm's weight: the same on both ranks
     norm = RMSNorm(1024).to(device, dtype)
     torch.nn.init.normal_(norm.weight)
@@ -61,21 +61,25 @@ def _row_parallel_rank(rank: int, store_path: str):
         layer.to(device, dtype)
         torch.nn.init.normal_(layer.weight, std=0.05)
     eps = torch.finfo(dtype).eps
-    # 1 row: the GEMV; 5 and 64: the skinny kernels; 100 and 256: cuBLAS; 300: past the buffer (NCCL)
-    for rows in (1, 5, 64, 100, 256, 300):
+    # 1 row: the GEMV; 5 and 64: the skinny kernels; 100 and 256: cuBLAS; 300 and 4100: sent through the
+    # copy engines (in 1 and 4 chunks); 4200: past the inboxes (NCCL)
+    for rows in (1, 5, 64, 100, 256, 300, 4100, 4200):
         residual = None
         for layer in layers:
             x = torch.randn(rows, layer.weight.size(1) * (2 if layer.gated else 1), device=device, dtype=dtype)
+            chunks = max(1, min(SEND_CHUNKS, rows // SEND_CHUNK_MIN_ROWS)) if 256 < rows <= 4100 else 1
+            own = torch.cat([linear(c, layer.weight, None, None, layer.gated)  # as the layer chunks it
+                             for c in x.tensor_split([rows * i // chunks for i in range(1, chunks)])])
             partial = layer(x)
             buffer = partial_sums_buffer(rows, dtype, layer.slot)
             assert (buffer is not None and partial.data_ptr() == buffer.data_ptr()) == (rows <= 256), rows
-            assert torch.equal(partial, linear(x, layer.weight, None, None, layer.gated))  # the same kernel
-            total = partial.float()
+            assert torch.equal(partial, own)  # the same kernels
+            total = own.float()
             torch.distributed.all_reduce(total)  # two bf16 addends: exact in float32, then rounded once
             r_ref = total.to(dtype) if residual is None else (total.to(dtype).float() + residual.float()).to(dtype)
             y, r = all_reduce_rms_norm(partial, residual, norm)
             assert torch.equal(r, r_ref), (rows, layer.slot, (r.float() - r_ref.float()).abs().max().item())
-            if rows > 256:  # NCCL's sum, then the model's own norm
+            if rows > 4100:  # NCCL's sum, then the model's own norm
                 summed = total.to(dtype)
                 assert torch.equal(y, norm(summed) if residual is None else norm(summed, residual)[0])
             else:  # the kernel: two roundings (the normalised value's, the weight product's) off float32
@@ -90,7 +94,10 @@ def test_row_parallel_all_reduce_rms_norm(tmp_path):
     """The row-parallel products' partial sums summed with the residual add and RMSNorm after them,
     in the decoder's order of symmetric buffers: at up to 256 rows each product kernel writes into
     its buffer and one kernel sums and normalises, its sum NCCL's exactly and its output within two
-    bf16 roundings of the float32 norm of that sum; at 300 rows NCCL sums and the model's norm runs."""
+    bf16 roundings of the float32 norm of that sum; at 300 and 4100 rows (a prefill step's) the
+    products send their partial sums to the peer through the copy engines, chunk by chunk, and one
+    kernel sums and normalises them, within the same bounds; past the inboxes (4200 rows) NCCL sums
+    and the model's norm runs."""
     torch.multiprocessing.spawn(_row_parallel_rank, args=(str(tmp_path / "store"),), nprocs=2)
 
 

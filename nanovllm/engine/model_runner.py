@@ -52,7 +52,8 @@ class ModelRunner:
                 self.device = torch.device("cuda", rank)
             symmetric = workers.symmetric if workers else symmetric
             init_process_group(rank, self.world_size, store_path or workers.store_path, self.device,
-                               (config.max_num_seqs, self.hf_config.hidden_size) if symmetric else None, self.dtype)
+                               (config.max_num_seqs, config.max_num_batched_tokens, self.hf_config.hidden_size)
+                               if symmetric else None, self.dtype)
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.backend = make_backend(config.attention_backend)

@@ -7,6 +7,8 @@ takes the rank's `tp` (TensorParallel: rank and size) at construction. Each para
 into it, so packed projections (q/k/v into one QKV, gate/up into one) are filled from separate
 checkpoint tensors and no rank ever holds more than its shard.
 """
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,7 +16,7 @@ from torch import nn
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.fp8 import fp8_linear, quantize_fp8
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.parallel.process_group import all_reduce_rms_norm, partial_sums_buffer
+from nanovllm.parallel.process_group import all_reduce_rms_norm, partial_sums_buffer, send_partial_sums
 from nanovllm.parallel.state import TensorParallel
 
 
@@ -174,10 +176,12 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Shards the input features. With tp_size > 1, forward returns this rank's partial sums (bias
-    added on rank 0), which the next norm sums over the ranks (all_reduce_rms_norm), written into
-    symmetric buffer `slot` where partial_sums_buffer has one. gated: the input is [gate | up] (each
-    this rank's shard) and the layer multiplies silu(gate) * up (SwiGLU's down_proj; see linear)."""
+    """Shards the input features. With tp_size > 1, forward returns this rank's partial sums
+    [num_tokens, output_size] (bias added on rank 0), which the next norm sums over the ranks
+    (all_reduce_rms_norm): written into symmetric buffer `slot` where partial_sums_buffer has one,
+    else sent to the peer as they are computed where send_partial_sums can. gated: the input is
+    [gate | up] (each this rank's shard) and the layer multiplies silu(gate) * up (SwiGLU's
+    down_proj; see linear)."""
 
     def __init__(self, input_size: int, output_size: int, tp: TensorParallel, slot: int, bias: bool = False,
                  gated: bool = False):
@@ -185,5 +189,9 @@ class RowParallelLinear(LinearBase):
         self.slot, self.gated = slot, gated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = partial_sums_buffer(x.size(0), x.dtype, self.slot) if self.tp_size > 1 and x.dim() == 2 else None
-        return linear(x, self.weight, self.weight_scale, self.bias if self.tp_rank == 0 else None, self.gated, out)
+        product = partial(linear, weight=self.weight, weight_scale=self.weight_scale,
+                          bias=self.bias if self.tp_rank == 0 else None, gated=self.gated)
+        if self.tp_size == 1:
+            return product(x)
+        out = partial_sums_buffer(x.size(0), x.dtype, self.slot)
+        return product(x, out=out) if out is not None else send_partial_sums(x, self.weight.size(0), product)

@@ -10,7 +10,10 @@ map, and the norm's kernel reads the peer's partial sums over NVLink. In a TP=2 
 sequences of Qwen3-8B (2 x H100) the 73 sums took 2.48 ms in NCCL's all-reduces, 1.47 in
 PyTorch's two-shot symmetric-memory all-reduce with its copies, and take 1.02 here, norms
 included; `bench.py --model qwen3-8b --tp 2` 10.85 -> 10.20 s against the two-shot kernel
-(benchmarks/NOTES.md, 2026-11-25). Larger steps (prefill), more ranks and CPUs use
+(benchmarks/NOTES.md, 2026-11-25). Larger steps (prefill, up to max_num_batched_tokens rows) send
+their partial sums to the peer through the copy engines instead (send_partial_sums), chunk by
+chunk while the product computes the next chunk, so the transfer leaves the SMs to the products;
+NCCL's all_reduce shares them and runs after each product. More ranks and CPUs use
 torch.distributed's all_reduce, then the norm."""
 import logging
 from datetime import timedelta
@@ -20,8 +23,12 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 # "buffers": this rank's three symmetric [max_rows, hidden] tensors and "peer_buffers" the peer's,
-# "flags"/"peer_flags": the kernel's [max_rows, 2] int32 meeting flags, "rank": this rank
+# "flags"/"peer_flags": the kernel's [max_rows, 2] int32 meeting flags, "rank": this rank;
+# "inboxes"/"peer_inboxes": two [max_tokens, hidden] tensors the peer's copy engine writes /
+# this rank's writes, "copy_flags"/"peer_copy_flags": [2] int32, "copy_stream", "next_inbox"
 _symmetric: dict[str, object] = {}
+_sent: list = []  # [a product's output, its inbox] between send_partial_sums and its norm
+SEND_CHUNKS, SEND_CHUNK_MIN_ROWS = 4, 1024  # 8 chunks measured no better (NOTES.md, 2026-11-26)
 # PyTorch's rendezvous names its store keys by a count of the rendezvous this process has made, so
 # ranks agree only while each has made as many: new worker processes have made none, so only the
 # first TP engine of rank 0's process uses symmetric memory (tp_workers.TPWorkers decides).
@@ -35,11 +42,12 @@ def symmetric_memory_unused() -> bool:
 
 
 def init_process_group(rank: int, size: int, store_path: str, device: torch.device,
-                       symmetric_shape: tuple[int, int] | None = None, dtype: torch.dtype = torch.bfloat16):
+                       symmetric_shape: tuple[int, int, int] | None = None, dtype: torch.dtype = torch.bfloat16):
     """Join the engine's process group: NCCL on CUDA (one GPU per rank), gloo on CPU.
-    symmetric_shape: (max_rows, hidden_size): with two CUDA ranks, partial sums of up to that many
-    rows in `dtype` are summed through symmetric memory (see partial_sums_buffer); every rank
-    passes it or none does (see symmetric_memory_unused).
+    symmetric_shape: (max_rows, max_tokens, hidden_size) (max_num_seqs, max_num_batched_tokens):
+    with two CUDA ranks, partial sums of up to max_rows rows in `dtype` are summed through
+    symmetric memory (see partial_sums_buffer), and of up to max_tokens rows sent through the
+    copy engines (send_partial_sums); every rank passes it or none does (see symmetric_memory_unused).
     Raises RuntimeError if this process already belongs to another engine's group."""
     if dist.is_initialized():
         raise RuntimeError("this process already has a torch.distributed group: its own, or a live "
@@ -51,20 +59,26 @@ def init_process_group(rank: int, size: int, store_path: str, device: torch.devi
     if device.type == "cuda" and symmetric_shape and size == 2:
         global _rendezvous_made
         _rendezvous_made = True
+        max_rows, max_tokens, hidden = symmetric_shape
         try:  # collective: every rank gets here together
-            buffers = [_mapped(symmetric_shape, dtype, device, rank) for _ in range(3)]
-            flags, peer_flags = _mapped((symmetric_shape[0], 2), torch.int32, device, rank)
+            buffers = [_mapped((max_rows, hidden), dtype, device, rank) for _ in range(3)]
+            flags, peer_flags = _mapped((max_rows, 2), torch.int32, device, rank)
+            inboxes = [_mapped((max_tokens, hidden), dtype, device, rank) for _ in range(2)]
+            copy_flags, peer_copy_flags = _mapped((2,), torch.int32, device, rank)
         except RuntimeError as e:  # no peer access between the GPUs, say
             logger.warning("symmetric memory unavailable (%s); all-reduces use NCCL", e)
             return
         flags.zero_()
+        copy_flags.zero_()
         torch.cuda.synchronize(device)
         dist.barrier(device_ids=[device.index])  # both ranks' flags are zero before either kernel runs
         _symmetric.update(buffers=[b for b, _ in buffers], peer_buffers=[p for _, p in buffers], flags=flags,
-                          peer_flags=peer_flags, rank=rank)
+                          peer_flags=peer_flags, rank=rank, inboxes=[b for b, _ in inboxes],
+                          peer_inboxes=[p for _, p in inboxes], copy_flags=copy_flags,
+                          peer_copy_flags=peer_copy_flags, copy_stream=torch.cuda.Stream(device), next_inbox=0)
 
 
-def _mapped(shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
+def _mapped(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
             rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A new tensor in this rank's symmetric memory and the other rank's twin, mapped here."""
     import torch.distributed._symmetric_memory as symm_mem
@@ -83,18 +97,61 @@ def partial_sums_buffer(rows: int, dtype: torch.dtype, slot: int) -> torch.Tenso
     return buffers[slot][:rows]
 
 
+def send_partial_sums(x: torch.Tensor, width: int, product) -> torch.Tensor:
+    """A row-parallel product of more rows than partial_sums_buffer takes (a prefill step):
+    product(x_rows, out=out_rows) over up to SEND_CHUNKS row chunks of x [rows, in], each chunk
+    copied into the peer's inbox by the copy engine (a side stream) as soon as its product is done,
+    while the next chunk's product runs; after the last, a signal to the peer. Returns this rank's
+    [rows, width] partial sums in x's dtype, which all_reduce_rms_norm sums with the peer's from
+    this rank's inbox once the peer's signal arrives. Without the inboxes (see init_process_group),
+    or for more rows than they hold, it returns product(x) for torch.distributed's all_reduce.
+    The inboxes alternate, so a rank writes one only after the peer's norm has read it: to send
+    call n + 2 it has passed its norm n + 1, which waited for the peer's call n + 1, which the
+    peer queued after its norm n."""
+    inboxes = _symmetric.get("peer_inboxes")
+    rows = x.size(0)
+    if inboxes is None or rows > inboxes[0].size(0) or x.dtype != inboxes[0].dtype:
+        return product(x)
+    from nanovllm.parallel.all_reduce_norm_kernel import signal_kernel
+    inbox = _symmetric["next_inbox"]
+    _symmetric["next_inbox"] = 1 - inbox
+    out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
+    compute, copy = torch.cuda.current_stream(), _symmetric["copy_stream"]
+    chunks = max(1, min(SEND_CHUNKS, rows // SEND_CHUNK_MIN_ROWS))
+    bounds = [rows * i // chunks for i in range(chunks + 1)]
+    for start, end in zip(bounds, bounds[1:]):
+        product(x[start:end], out=out[start:end])
+        copy.wait_stream(compute)
+        with torch.cuda.stream(copy):
+            inboxes[inbox][start:end].copy_(out[start:end])  # a peer-to-peer memcpy over NVLink
+    with torch.cuda.stream(copy):
+        signal_kernel[(1,)](_symmetric["peer_copy_flags"][_symmetric["rank"]:], num_warps=1)
+    out.record_stream(copy)
+    _sent[:] = [out, inbox]
+    return out
+
+
 def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(r), r) for r = (x summed over the ranks) + residual (or no residual: None), where x
     [rows, hidden_size] is this rank's partial sums and norm a layernorm.RMSNorm. One kernel when x
-    is the partial_sums_buffer it was written to; else torch.distributed's all_reduce (in place),
-    then the norm."""
+    is the partial_sums_buffer it was written to; when x is send_partial_sums' output, one kernel
+    after the wait for the peer's signal; else torch.distributed's all_reduce (in place), then the
+    norm."""
     slot = next((i for i, b in enumerate(_symmetric.get("buffers", ())) if x.data_ptr() == b.data_ptr()), None)
-    if slot is None:
+    sent = bool(_sent) and _sent[0] is x
+    if slot is None and not sent:
         dist.all_reduce(x)
         return (norm(x), x) if residual is None else norm(x, residual)
-    from nanovllm.parallel.all_reduce_norm_kernel import all_reduce_rms_norm_2
-    return all_reduce_rms_norm_2(x, _symmetric["peer_buffers"][slot][:x.size(0)], _symmetric["flags"],
-                                 _symmetric["peer_flags"], _symmetric["rank"], residual, norm.weight, norm.eps)
+    from nanovllm.parallel.all_reduce_norm_kernel import all_reduce_rms_norm_2, wait_kernel
+    rank = _symmetric["rank"]
+    if slot is not None:
+        return all_reduce_rms_norm_2(x, _symmetric["peer_buffers"][slot][:x.size(0)], _symmetric["flags"],
+                                     _symmetric["peer_flags"], rank, residual, norm.weight, norm.eps)
+    inbox = _sent[1]
+    _sent.clear()
+    wait_kernel[(1,)](_symmetric["copy_flags"][1 - rank:], num_warps=1)
+    return all_reduce_rms_norm_2(x, _symmetric["inboxes"][inbox][:x.size(0)], None, None, rank, residual,
+                                 norm.weight, norm.eps)
 
 
 def leave_process_group(graphs: dict):
@@ -103,6 +160,7 @@ def leave_process_group(graphs: dict):
     communicator teardown waits forever while a graph that captured one of its collectives lives
     (pytorch/pytorch#115388). Every rank calls it, together, when the engine ends."""
     graphs.clear()
+    _sent.clear()
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
     _symmetric.clear()
