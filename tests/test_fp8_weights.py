@@ -1,8 +1,8 @@
 """FP8 weights (quantization="fp8") on CPU: the float8 linear math against float64 references
 and e4m3's error bound, the loader of block-quantized checkpoints in Qwen's format (written here,
 tiny), and the whole engine against transformers' model given the same quantized weights and
-activations. Their accuracy on real weights is in test_real_weights.py; the GPU GEMM in
-test_gpu_engine.py."""
+activations; on CUDA, the compiled norm and gate that quantize their output. Their accuracy on
+real weights is in test_real_weights.py; the GPU GEMM in test_gpu_engine.py."""
 import json
 import os
 
@@ -91,6 +91,37 @@ def test_fp8_weight_gemm_kernel():
         y = fp8_weight_gemm(x, qw.to(device), sw.to(device), (32, 64, 4, 2))
         assert y.dtype == torch.float16 and y.shape == (m, n)
         assert torch.allclose(y.double(), ref, rtol=2**-10, atol=2**-10 * ref.abs().max().item()), (m, n, k)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled on CUDA only (eager elsewhere)")
+def test_compiled_norm_and_gate_quantize_as_eager():
+    """rms_norm_fp8 and swiglu_fp8, each one compiled kernel on CUDA, against their eager math
+    (the norm or gate in bf16, then quantize_fp8): the residual sum exact; each dequantized value
+    within one e4m3 step of the eager one (the compiled norm may round its bf16 output an ulp
+    apart, which can move a value across a rounding boundary or the row's scale by 2^-7)."""
+    from nanovllm.layers.activation import swiglu
+    from nanovllm.layers.fp8 import rms_norm_fp8, swiglu_fp8
+    from nanovllm.layers.layernorm import rms_norm
+    g = torch.Generator().manual_seed(5)
+    for rows, k in ((17, 1000), (300, 4096)):
+        x, res = (torch.randn(rows, k, generator=g).cuda().bfloat16() for _ in range(2))
+        w = torch.randn(k, generator=g).cuda().bfloat16()
+        gate_up = torch.randn(rows, 2 * k, generator=g).cuda().bfloat16()
+        for residual in (None, res):
+            (q, s), r = rms_norm_fp8(x, residual, w, 1e-6)
+            y, r_eager = rms_norm(x, residual, w, 1e-6)
+            assert torch.equal(r, r_eager)
+            _assert_one_step_apart(q, s, *quantize_fp8(y))
+        _assert_one_step_apart(*swiglu_fp8(gate_up), *quantize_fp8(swiglu(gate_up)))
+
+
+def _assert_one_step_apart(q, s, q_ref, s_ref):
+    """Both quantize values y, y_ref a bf16 ulp (<= 2^-7 |y|) apart: each dequantized value is within
+    REL |y| + SUB s of its y, so they are within (2 REL + 2^-7) |y| + 2 SUB s of each other, and
+    |y| <= (|v_ref| + SUB s) / (1 - REL)."""
+    assert q.dtype == E4M3 and ((s - s_ref).abs() <= 2.0**-7 * s_ref).all()
+    v, v_ref, sub = q.float() * s[:, None], q_ref.float() * s_ref[:, None], SUB * s_ref[:, None]
+    assert ((v - v_ref).abs() <= (2 * REL + 2.0**-7) * (v_ref.abs() + sub) / (1 - REL) + 2.01 * sub).all()
 
 
 def test_dequantize_blocks_awkward_shapes():

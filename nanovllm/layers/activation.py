@@ -4,11 +4,14 @@ import torch.nn.functional as F
 from nanovllm.layers.token_compile import token_compile
 
 
-@token_compile
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def swiglu(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gate (Shazeer 2020): x = [gate | up] along the last dim -> silu(gate) * up.
 
-    x: [num_tokens, 2 * intermediate_size] -> [num_tokens, intermediate_size].
+    x: [num_tokens, 2 * intermediate_size] -> [num_tokens, intermediate_size]. Eager; silu_and_mul
+    is it compiled.
     """
     gate, up = x.chunk(2, -1)
     return F.silu(gate) * up
+
+
+silu_and_mul = token_compile(swiglu)

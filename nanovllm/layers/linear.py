@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.activation import silu_and_mul
-from nanovllm.layers.fp8 import fp8_linear, quantize_fp8
+from nanovllm.layers.fp8 import fp8_linear, quantize_fp8, quantizes_activations, rms_norm_fp8, scaled_mm, swiglu_fp8
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.parallel.process_group import all_reduce_rms_norm, partial_sums_buffer, send_partial_sums
 from nanovllm.parallel.state import TensorParallel
@@ -46,13 +46,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
     written to out (contiguous, x's shape but the last dim) when given.
     bf16/fp16 on CUDA: one row (a decode step of one sequence) gemv.gemv, the gate fused into its
     loads; a few rows skinny_gemm.py's gate and product kernels; otherwise F.linear, or
-    fp8_linear for a float8 weight."""
+    fp8_linear for a float8 weight (gated, where it quantizes x: the gate and the quantization in
+    one compiled kernel, swiglu_fp8)."""
     if one_row(x):
         from nanovllm.layers.gemv import gemv
         return gemv(x, weight, weight_scale, bias, gated, out=out)
     if few_rows(x, weight_scale):
         from nanovllm.layers.skinny_gemm import silu_and_mul_rows, skinny_linear
         return skinny_linear(silu_and_mul_rows(x) if gated else x, weight, bias, out=out)
+    if gated and quantizes_activations(x, weight_scale):
+        y = scaled_mm(*swiglu_fp8(x), weight, weight_scale, bias, x.dtype)
+        return y if out is None else out.copy_(y)
     if gated:
         x = silu_and_mul(x)
     if weight_scale is not None:
@@ -71,7 +75,8 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
     rank's partial sums (RowParallelLinear's or the embedding's), summed over the ranks with the
     add and the norm (all_reduce_rms_norm). bf16/fp16 on CUDA: one row, one GEMV kernel, the norm
     computed while loading x; a few rows (see linear), skinny_gemm.py's norm and product kernels;
-    otherwise RMSNorm, then the layer."""
+    float8 weights that quantize x (fp8.quantizes_activations), the norm and the quantization in
+    one compiled kernel (rms_norm_fp8), then scaled_mm; otherwise RMSNorm, then the layer."""
     if layer.tp_size > 1:
         x, residual = all_reduce_rms_norm(x, residual, norm)
         return layer(x), residual
@@ -82,6 +87,9 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
         from nanovllm.layers.skinny_gemm import rms_norm_rows, skinny_linear
         x, residual = rms_norm_rows(x, residual, norm.weight, norm.eps)
         return skinny_linear(x, layer.weight, layer.bias), residual
+    if quantizes_activations(x, layer.weight_scale):
+        quantized, residual = rms_norm_fp8(x, residual, norm.weight, norm.eps)
+        return scaled_mm(*quantized, layer.weight, layer.weight_scale, layer.bias, x.dtype), residual
     x, residual = (norm(x), x) if residual is None else norm(x, residual)
     return layer(x), residual
 
