@@ -47,6 +47,8 @@ def test_tensor_parallel_matches_one_rank(arch, tp, load_format, backend, tmp_pa
     assert completions(llm, prompts[::-1]) == expected[::-1]  # second call: prefix hits everywhere
     sampled = [SamplingParams(temperature=0.8, top_k=20, max_tokens=6, seed=i) for i in range(len(prompts))]
     assert completions(llm, prompts, sampled) == completions(llm, prompts, sampled)  # seeded sampling repeats
+    drawn = [SamplingParams(temperature=0.8, max_tokens=6, seed=i) for i in range(len(prompts))]
+    assert completions(llm, prompts, drawn) == completions(single, prompts, drawn)  # drawn from vocabulary shards
     forked = llm.generate(prompts, SamplingParams(n=3, temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in forked] == [[e[:6]] * 3 for e in expected]  # KV forked on every rank
     scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)  # logits of every prompt row, all ranks
@@ -161,16 +163,19 @@ def test_interrupts_leave_parallel_engines_usable(tiny_qwen3, monkeypatch):
     tp = LLM(tiny_qwen3[0], tensor_parallel_size=2, **ARGS)
     calls = []
 
-    def interrupting_sampler(*args, **kwargs):
+    def interrupting_read(*args, **kwargs):  # Ctrl-C while rank 0 waits for a step's tokens
         calls.append(1)
         if len(calls) == 4:
             raise KeyboardInterrupt
-        return sampler(*args, **kwargs)
+        return read_tokens[0](*args, **kwargs)
 
-    sampler = tp.engine.model_runner.sampler
-    tp.engine.model_runner.sampler = interrupting_sampler
+    runner = tp.engine.model_runner
+    read_tokens = [runner.read_tokens]
+    runner.read_tokens = interrupting_read
     with pytest.raises(KeyboardInterrupt):
         tp.generate(prompts, GREEDY, use_tqdm=False)
+    del runner.read_tokens, runner
+    read_tokens.clear()  # nothing may keep the engine past `del tp` below
     assert completions(tp, prompts) == expected
     del tp
     gc.collect()

@@ -141,6 +141,36 @@ def test_gumbel_noise_is_finite_at_the_largest_hash():
     assert drawn.item() != 14809 and drawn.cpu().item() == expected.item()
 
 
+@pytest.mark.parametrize("path", ["torch", "kernel"])
+def test_vocabulary_shards_draw_the_whole_rows_token(path):
+    """Tensor parallelism's draw: the candidates of each vocabulary shard (the last one padded
+    with columns that must not count), merged by first_max, are the Gumbel-max draw over whole
+    rows: the same noise per token id, greedy rows' first maximum across shards."""
+    from nanovllm.layers.sampler import first_max, shard_candidates
+    if path == "kernel":
+        pytest.importorskip("triton")
+        from nanovllm.layers.sampling_kernel import gumbel_max_candidates as candidates, gumbel_max_sample
+    device = "cuda" if path == "kernel" and torch.cuda.is_available() else "cpu"
+    vocab, shards = 20000, 3
+    width = -(-vocab // shards)
+    x = logits(n=4, vocab=vocab, seed=11)
+    x[2, 5000] = x[2, 15000] = 50.0  # a greedy row's tie across shards: the first
+    temps = torch.tensor([0.7, 1.3, 0.0, 1.0])
+    seeds = torch.tensor([3, 2**31 - 2, 5, 123456], dtype=torch.int32)
+    padded = torch.cat([x, torch.full((4, width * shards - vocab), 1e4)], 1).to(device)
+    parts = [(shard_candidates if path == "torch" else candidates)(
+        padded[:, i * width:(i + 1) * width], temps.to(device), seeds.to(device), i * width, min(width, vocab - i * width))
+        for i in range(shards)]
+    merged = first_max(*(torch.cat(t, 1) for t in zip(*parts))).cpu()
+    if path == "torch":
+        noise = gumbel_noise(seeds.long(), torch.arange(vocab).expand(4, vocab))
+        expected = torch.where(temps > 0, (x / torch.where(temps > 0, temps, 1).unsqueeze(1) + noise).argmax(-1),
+                               x.argmax(-1))
+    else:
+        expected = gumbel_max_sample(x.to(device), temps.to(device), seeds.to(device)).cpu()
+    assert merged[2] == 5000 and torch.equal(merged, expected)
+
+
 def test_top_k_path_draws_what_the_sorted_path_draws():
     """With top_k on every sampling row the filters run on torch.topk's values (no sort of the
     vocabulary); seeded rows must draw the very same tokens as on the sorted path, with min_p and

@@ -1,7 +1,9 @@
 """Builds the model on this rank's device and runs one packed forward per step: K/V go into the
 paged cache, logits are computed for the sampled rows only and sampled on rank 0. Decode steps
 replay CUDA graphs. Under tensor parallelism every rank has a ModelRunner; rank 0 plans each step
-and sends the plan to the others (nanovllm/parallel/tp_workers.py)."""
+and sends the plan to the others (nanovllm/parallel/tp_workers.py), and each rank computes the
+logits of its shard of the vocabulary: rank 0 gathers them, or, where every row only scales by
+temperature, each rank draws from its shard and rank 0 takes the best draw (_sample_shards)."""
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -16,7 +18,8 @@ from nanovllm.engine.step_inputs import Stager, StepPlan, plan_step
 from nanovllm.engine.trace import region
 from nanovllm.layers.attention import Attention, make_backend
 from nanovllm.layers.linear import quantize_weights
-from nanovllm.layers.sampler import Sampler, SamplingTensors, TokenLogprobs, token_logprobs
+from nanovllm.layers.sampler import (Sampler, SamplingTensors, TokenLogprobs, first_max, shard_candidates,
+                                     token_logprobs)
 from nanovllm.loader.source import iter_weights
 from nanovllm.loader.weights import dummy_weights, load_weights
 from nanovllm.models.registry import model_class
@@ -143,7 +146,9 @@ class ModelRunner:
             scheduled.append((seq, n))
         cache = self.kv_spec.allocate(next_block, self.device)
         self.backend.bind_kv_cache(cache)
-        self.execute(plan_step(scheduled, bs, {})[0])
+        plan = plan_step(scheduled, bs, {})[0]
+        plan.sample_shards = self.world_size > 1  # compiles the shards' sampler on every rank
+        self.execute(plan)
         if self.rank == 0:
             logits = torch.zeros(cfg.max_num_seqs, self.hf_config.vocab_size, device=self.device, dtype=self.dtype)
             self.sampler(logits, SamplingTensors(torch.ones(cfg.max_num_seqs, device=self.device)))  # compiles its kernel
@@ -164,22 +169,25 @@ class ModelRunner:
         sampled tokens on the device. forks, block_copies: sequences forked this step (see plan_step)."""
         with region("prepare_inputs"):
             plan, seqs, prompt_spans = plan_step(scheduled, self.block_size, self._prev_rows, forks, block_copies)
+        st = None
+        if seqs:
+            with region("sampling"):
+                st = sampling_tensors(seqs, self.device, self.hf_config.vocab_size, self.config.eos_token_ids,
+                                      self._prev_rows, self._prev_sampled, self.token_counts)
+            plan.sample_shards = self.world_size > 1 and (st is None or (st.only_temperature and st.num_logprobs < 0))
         if self.workers is None:
-            logits, prompt_lp = self.execute(plan, self._prev_sampled)
+            out, prompt_lp = self.execute(plan, self._prev_sampled, st)
         else:
             with self.workers.step_guard():
                 self.workers.send(replace(plan, input_ids=None, pending=None))
-                logits, prompt_lp = self.execute(plan, self._prev_sampled)
-        prev_rows, prev_sampled = self._prev_rows, self._prev_sampled
+                out, prompt_lp = self.execute(plan, self._prev_sampled, st)
         self._prev_rows = {seq.seq_id: row for row, seq in enumerate(seqs)}
         self._prev_sampled = sampled = logprobs = None
-        if logits is None and prompt_lp is None:
+        if out is None and prompt_lp is None:
             return None
-        if logits is not None:
+        if out is not None:
             with region("sampling"):
-                st = sampling_tensors(seqs, self.device, self.hf_config.vocab_size, self.config.eos_token_ids,
-                                      prev_rows, prev_sampled, self.token_counts)
-                sampled, logprobs = self.sampler(logits, st)
+                sampled, logprobs = (out, None) if plan.sample_shards else self.sampler(out, st)
                 if st is not None and st.count_rows is not None:
                     self.token_counts.add(st.count_rows, sampled)
                 self._prev_sampled = sampled
@@ -204,10 +212,11 @@ class ModelRunner:
         return step.host.tolist() if step.host is not None else []
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, prev_sampled: torch.Tensor | None = None):
+    def execute(self, plan: StepPlan, prev_sampled: torch.Tensor | None = None, st: SamplingTensors | None = None):
         """Run the forward of one step on this rank; returns, on rank 0, the logits of
-        plan.sample_rows and the TokenLogprobs of plan.prompt_rows (each None when there are none;
-        both None on the other ranks)."""
+        plan.sample_rows (with plan.sample_shards: their sampled token ids, drawn with st) and the
+        TokenLogprobs of plan.prompt_rows (each None when there are none; both None on the other
+        ranks)."""
         with region("prepare_inputs"):
             tensors = self.stager.upload_plan(plan)
             meta = self.backend.build_metadata(plan, tensors)
@@ -241,7 +250,32 @@ class ModelRunner:
                 logits = self.model.lm_head(hidden[tensors["sample_rows"]] if gather_rows else hidden)
             elif gather_rows:
                 logits = logits[tensors["sample_rows"]]
+            if plan.sample_shards:
+                return self._sample_shards(logits, st), prompt_lp
             return self.model.lm_head.gather(logits), prompt_lp
+
+    def _sample_shards(self, logits: torch.Tensor, st: SamplingTensors | None) -> torch.Tensor | None:
+        """Tensor parallelism, rows that only scale by temperature (or are greedy): each rank draws
+        the Gumbel-max candidates of its shard of the vocabulary, logits [N, vocab / tp_size], with
+        rank 0's temperatures and seeds (broadcast), and rank 0 takes each row's best of all: the
+        token ids [N] on rank 0, None elsewhere. The same draw as the Sampler's from whole rows,
+        without gathering them (78 MB of bf16 logits for 256 rows of Qwen3's vocabulary)."""
+        params = torch.zeros(2, logits.size(0), dtype=torch.int32, device=self.device)  # temperatures' bits, seeds
+        if self.rank == 0:
+            if st is not None and st.temperatures is not None:
+                params[0] = st.temperatures.view(torch.int32)
+            params[1] = self.sampler.kernel_seeds(logits.size(0), st, self.device)
+        dist.broadcast(params, 0)
+        head = self.model.lm_head
+        maxima, ids = shard_candidates(logits, params[0].view(torch.float32), params[1], head.vocab_start,
+                                       head.num_real)
+        mine = torch.stack([maxima.view(torch.int32), ids.to(torch.int32)])  # [2, N, C]: one message
+        parts = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
+        dist.gather(mine, parts, 0)
+        if self.rank != 0:
+            return None
+        both = torch.cat(parts, 2)  # the ranks' shards in vocabulary order
+        return first_max(both[0].view(torch.float32), both[1].long())
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor, tensors: dict) -> TokenLogprobs | None:
         """The raw logprobs of the prompt tokens after plan.prompt_rows (vLLM's prompt_logprobs), with

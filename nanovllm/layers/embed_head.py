@@ -22,6 +22,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.shard = (num_embeddings + self.tp_size - 1) // self.tp_size
         self.vocab_start = self.shard * self.tp_rank
+        self.num_real = max(0, min(self.shard, num_embeddings - self.vocab_start))  # the rest of the shard pads
         self.weight = nn.Parameter(torch.empty(self.shard, embedding_dim))
         self.weight.weight_loader = self.weight_loader
 

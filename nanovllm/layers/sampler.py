@@ -43,6 +43,15 @@ class SamplingTensors:
     num_logprobs: int = -1
     logprob_rows: torch.Tensor | None = None
 
+    @property
+    def processed(self) -> bool:
+        """Whether some row's logits go through the logits processors."""
+        return any(x is not None for x in (self.penalties, self.logit_bias, self.banned, self.banned_after, self.allowed))
+
+    @property
+    def only_temperature(self) -> bool:
+        """Whether every row draws from softmax(logits / T) (or takes the argmax): no processors, no filters."""
+        return not self.processed and self.top_k is None and self.top_p is None and self.min_p is None
 
 
 @dataclass
@@ -91,6 +100,32 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Tok
     ranks = torch.cat([rank.unsqueeze(1), torch.arange(1, k + 1, device=logits.device).expand(logits.size(0), k)], 1)
     return TokenLogprobs(torch.cat([token_ids.unsqueeze(1), top_ids], 1),
                          torch.cat([chosen, top.float()], 1) - lse.unsqueeze(1), ranks)
+
+
+def first_max(maxima: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Candidates maxima [N, C] with their token ids [N, C] int64, in vocabulary order -> each
+    row's id of the largest [N], the first on ties (as argmax over the whole row)."""
+    return ids.gather(1, maxima.argmax(1, keepdim=True)).squeeze(1)
+
+
+def shard_candidates(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, offset: int,
+                     width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gumbel-max draw's candidates from a vocabulary shard: logits [N, W] of tokens offset +
+    [0, W), of which the first `width` are real; temperatures [N] float32 (0: greedy), seeds [N]
+    int32, whose noise at token t is gumbel_noise(seed, t) on every shard. Returns (maxima [N, C]
+    float32, their token ids [N, C] int64), for first_max over the candidates of all shards in
+    vocabulary order: the token argmax(logits / T + G) over the whole vocabulary. On CUDA the
+    Gumbel-max kernel's per-chunk maxima (C = its chunks, in base 2); elsewhere torch's (C = 1)."""
+    if logits.is_cuda:
+        from nanovllm.layers.sampling_kernel import gumbel_max_candidates
+        return gumbel_max_candidates(logits, temperatures, seeds, offset, width)
+    x = logits[:, :width].float()
+    hot = temperatures > 0
+    ids = torch.arange(offset, offset + width, device=x.device).expand_as(x)
+    x = torch.where(hot.unsqueeze(1), x / torch.where(hot, temperatures, 1.0).unsqueeze(1)
+                    + gumbel_noise(seeds.long(), ids), x)
+    maxima, index = x.max(1, keepdim=True)  # the first maximum
+    return maxima, index + offset
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
@@ -142,26 +177,25 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, st: SamplingTensors | None = None):
         if st is None:
             return logits.argmax(-1), None
-        processed = any(x is not None for x in (st.penalties, st.logit_bias, st.banned, st.banned_after, st.allowed))
+        processed = st.processed
         raw = logits
         need_final = st.num_logprobs >= 0 and self.logprobs_mode == "processed_logprobs"  # the logits drawn from
         if processed:
             logits = apply_logits_processors(logits.to(torch.float32, copy=True), st)  # raw stays as it was
         if st.temperatures is None:
             sampled, final = logits.argmax(-1), logits
-        elif logits.is_cuda and not processed and st.top_k is None and st.top_p is None and st.min_p is None \
-                and not need_final:
+        elif logits.is_cuda and st.only_temperature and not need_final:
             from nanovllm.layers.sampling_kernel import gumbel_max_sample
-            sampled, final = gumbel_max_sample(logits, st.temperatures, self._kernel_seeds(logits, st)), None
+            sampled, final = gumbel_max_sample(logits, st.temperatures, self.kernel_seeds(logits.size(0), st)), None
         elif logits.is_cuda and st.top_k is None and not need_final:  # top_p and/or min_p, no sort
             from nanovllm.layers.sampling_kernel import nucleus_sample
-            sampled = nucleus_sample(logits, st.temperatures, st.top_p, st.min_p, self._kernel_seeds(logits, st))
+            sampled = nucleus_sample(logits, st.temperatures, st.top_p, st.min_p, self.kernel_seeds(logits.size(0), st))
             final = None
         elif logits.is_cuda and st.max_top_k and not need_final:  # top_k on every sampling row: no sort
             from nanovllm.layers.sampling_kernel import topk_sample
             values, ids = topk(logits, st.max_top_k)
             sampled = topk_sample(values.float(), ids, st.temperatures, st.top_k, st.top_p, st.min_p,
-                                  self._kernel_seeds(logits, st))
+                                  self.kernel_seeds(logits.size(0), st))
             final = None
         else:
             sampled, final = self._sample(logits, st, need_final)
@@ -198,12 +232,14 @@ class Sampler(nn.Module):
         token_ids = torch.arange(logits.size(1), device=logits.device).expand_as(logits)
         return torch.where(greedy, logits.argmax(-1), (logits + self._noise(token_ids, st)).argmax(-1)), logits
 
-    def _kernel_seeds(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-        """[N] int32 seeds of the Triton samplers' noise: seeded rows' own, the others' from the
-        engine's generator (fresh each step)."""
-        gen = self._default_generator(logits.device)
-        seeds = torch.randint(0, 2**31 - 1, (logits.size(0),), dtype=torch.int32, device=logits.device, generator=gen)
-        if st.seeds is not None:
+    def kernel_seeds(self, rows: int, st: SamplingTensors | None, device=None) -> torch.Tensor:
+        """[rows] int32 seeds of the Gumbel noise drawn by hashing (the Triton samplers',
+        shard_candidates'): seeded rows' own, the others' from the engine's generator (fresh each
+        step); on st's device, else `device`."""
+        device = st.temperatures.device if st is not None and st.temperatures is not None else device
+        gen = self._default_generator(device)
+        seeds = torch.randint(0, 2**31 - 1, (rows,), dtype=torch.int32, device=device, generator=gen)
+        if st is not None and st.seeds is not None:
             seeds[st.seeds[0]] = st.seeds[1].to(torch.int32)
         return seeds
 

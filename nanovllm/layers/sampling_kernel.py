@@ -14,12 +14,13 @@ import triton.language as tl
 
 
 @triton.jit
-def gumbel_max_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, max_ptr, index_ptr, vocab_size,
+def gumbel_max_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, max_ptr, index_ptr, vocab_size, offset,
                       CHUNK: tl.constexpr, SUB: tl.constexpr):
-    """Grid (num_rows, num_chunks): the max over one CHUNK of the vocabulary of logits / T + Gumbel
-    noise (logits where T == 0) and its first index, written to max/index [num_rows, num_chunks].
-    Works in base 2 (a positive scale and a constant shift leave the argmax unchanged):
-    x * log2(e) / T - log2(-log2(U))."""
+    """Grid (num_rows, num_chunks): the max over one CHUNK of the row's first vocab_size logits of
+    logits / T + Gumbel noise (logits where T == 0) and its first token id, written to max/index
+    [num_rows, num_chunks]; column c holds token offset + c (a tensor-parallel rank's vocabulary
+    shard), whose noise it draws. Works in base 2 (a positive scale and a constant shift leave the
+    argmax unchanged): x * log2(e) / T - log2(-log2(U))."""
     row, chunk = tl.program_id(0), tl.program_id(1)
     temperature = tl.load(temperatures_ptr + row)
     seed = _fmix32(tl.load(seeds_ptr + row).to(tl.uint32))
@@ -31,14 +32,14 @@ def gumbel_max_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, max_ptr, 
         offs = start + tl.arange(0, SUB)
         x = _scaled_logits(row_ptr, offs, vocab_size, scale)
         if temperature > 0:
-            x = x + _gumbel2(offs, seed)
+            x = x + _gumbel2(offs + offset, seed)
         take = x > best
         best = tl.where(take, x, best)
         best_index = tl.where(take, offs, best_index)
     top = tl.max(best, 0)
     out = row * tl.num_programs(1) + chunk
     tl.store(max_ptr + out, top)
-    tl.store(index_ptr + out, tl.min(tl.where(best == top, best_index, vocab_size), 0).to(tl.int64))
+    tl.store(index_ptr + out, tl.min(tl.where(best == top, best_index, vocab_size), 0).to(tl.int64) + offset)
 
 
 @triton.jit
@@ -69,14 +70,25 @@ def _fmix32(h):
 CHUNK = 8192  # vocabulary entries per program: 19 programs per row for Qwen's 151,936
 
 
-def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """logits [N, vocab] (any float dtype), temperatures [N] float32, seeds [N] int32 -> token ids [N] int64."""
+def gumbel_max_candidates(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, offset: int = 0,
+                          width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each CHUNK's best of logits [N, W] (any float dtype; column c is token offset + c, the
+    first `width` columns real): (maxima [N, cdiv(W, CHUNK)] float32 of x / T + G in base 2, or
+    of x where T == 0; their token ids, int64, the first on ties). temperatures [N] float32, seeds
+    [N] int32. A chunk with no real column gives -inf."""
     rows, chunks = logits.size(0), triton.cdiv(logits.size(1), CHUNK)
     maxima = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     indices = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
-    gumbel_max_kernel[(rows, chunks)](logits, logits.stride(0), temperatures, seeds, maxima, indices, logits.size(1),
-                                      CHUNK=CHUNK, SUB=1024, num_warps=4)
-    return indices.gather(1, maxima.argmax(1, keepdim=True)).squeeze(1)  # first chunk on ties
+    gumbel_max_kernel[(rows, chunks)](logits, logits.stride(0), temperatures, seeds, maxima, indices,
+                                      logits.size(1) if width is None else width, offset, CHUNK=CHUNK, SUB=1024,
+                                      num_warps=4)
+    return maxima, indices
+
+
+def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """logits [N, vocab] (any float dtype), temperatures [N] float32, seeds [N] int32 -> token ids [N] int64."""
+    from nanovllm.layers.sampler import first_max
+    return first_max(*gumbel_max_candidates(logits, temperatures, seeds))
 
 
 @triton.jit
