@@ -52,15 +52,20 @@ def _num_sms(device_index: int) -> int:
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Splits of each context so that at least 8 programs per SM run at any batch size (flash-decoding).
-    On an H200 with lengths of 100..2000 tokens: batch 64 reads K/V at 0.63 of the copy bandwidth
-    with 1 split, 0.67 with 2, 0.70 with 4, 0.71 with 8; batch 256 at 0.88 with 1 or 2 splits,
-    0.83 with 4 (benchmarks/decode_attention.py --varied). A sweep of splits, BLOCK_N and stages
-    (--sweep) found faster choices for batches of 32-128 alone (e.g. batch 32: 0.64 with 2 splits,
-    BLOCK_N 128, 3-4 stages, against 0.38), but bench.py did not move with them (NOTES.md)."""
+    """Splits of each context so that at least 8 programs per SM run at any batch size (flash-decoding),
+    but none (and no reduce kernel) where the grid already has 4 programs per SM. On an H200 with
+    lengths of 100..2000 tokens: batch 64 reads K/V at 0.63 of the copy bandwidth with 1 split, 0.67
+    with 2, 0.70 with 4, 0.71 with 8; batch 256 at 0.88 with 1 or 2 splits, 0.83 with 4
+    (benchmarks/decode_attention.py --varied). A sweep of splits, BLOCK_N and stages (--sweep) found
+    faster choices for batches of 32-128 alone (e.g. batch 32: 0.64 with 2 splits, BLOCK_N 128, 3-4
+    stages, against 0.38), but bench.py did not move with them. Unsplit from 4 programs per SM: H100
+    default bench.py 6.415 against 6.437 s (4 runs each), `--num-seqs 64` unchanged (NOTES.md,
+    2026-11-26, thirteenth session)."""
     if device.type != "cuda":
         return 1
     programs = num_seqs * num_kv_heads
+    if programs >= 4 * _num_sms(device.index or 0):
+        return 1
     return min(64, triton.next_power_of_2(max(1, -(-8 * _num_sms(device.index or 0) // programs))))
 
 
