@@ -30,8 +30,8 @@ def main():
     cu = torch.arange(0, n * L + 1, L, device="cuda", dtype=torch.int32)
     lens = torch.full((n,), L, device="cuda", dtype=torch.int32)
     flops = 4 * heads * head_dim * n * L * L / 2
-    for bm, bn, warps, stages in [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3),
-                                  (128, 128, 8, 2)]:
+    for bm, bn, warps, stages in [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 8, 2),
+                                  (64, 32, 4, 4), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3), (128, 128, 8, 2)]:
         try:
             ms = do_bench(lambda: prefill_attention(q, k_cache, v_cache, cu, lens, tables, L, head_dim ** -0.5,
                                                     block_m=bm, block_n=bn, num_warps=warps, num_stages=stages),

@@ -10,6 +10,7 @@ pytest.importorskip("triton")
 from nanovllm.layers.attention.base import AttentionMetadata  # noqa: E402
 from nanovllm.layers.fp8 import quantize_fp8  # noqa: E402
 from nanovllm.layers.attention.torch_backend import paged_attention_reference  # noqa: E402
+from nanovllm.layers.attention import triton_backend  # noqa: E402
 from nanovllm.layers.attention.triton_backend import decode_attention, prefill_attention  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -57,9 +58,12 @@ CPU_CASES = [(torch.float32, 16, 2, 16), (torch.float16, 4, 1, 32), (torch.float
 CASES = GPU_CASES if CUDA else CPU_CASES
 
 
+@pytest.mark.parametrize("table_in_registers", [True, False])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("dtype,block_size,group,head_dim", CASES)
-def test_prefill_kernel(dtype, block_size, group, head_dim, fp8):
+def test_prefill_kernel(dtype, block_size, group, head_dim, fp8, table_in_registers, monkeypatch):
+    if not table_in_registers:  # rows longer than this are read entry by entry
+        monkeypatch.setattr(triton_backend, "PREFILL_MAX_TABLE_W", 0)
     gen = torch.Generator().manual_seed(hash((block_size, group, head_dim)) % 2**31)
     num_kv_heads = 2
     # (cached prefix, new tokens) per sequence: plain prefill, prefix hits, chunks, single decode tokens

@@ -11,6 +11,9 @@ from nanovllm.layers.pdl import pdl_args
 from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope
 
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, DECODE_BLOCK_N = 64, 64, 64
+# block-table rows up to this wide are loaded once per prefill program, longer ones entry by entry in
+# its loop. Decode programs read no faster with the row loaded once (H100, NOTES.md 2026-11-26).
+PREFILL_MAX_TABLE_W = 256
 # A float8 cache's decode steps store the new token inside the attention kernel up to this many
 # sequences; beyond, every split program's float8 store and q rotation cost more than the kernel
 # they save (H100, Qwen3-0.6B, graph us separate -> fused: 1 sequence 902 -> 858, 8 1193 -> 1141,
@@ -37,12 +40,15 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
     num_heads, head_dim = q.size(1), q.size(2)
     grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, context_lens.size(0))
     caches, strides = _cache_args(k_cache, v_cache, kv_scales)
+    width = block_tables.size(1)
+    # the table row in registers when it is short (at least 16 wide: fewer compiled variants)
+    table_w = max(16, triton.next_power_of_2(width)) if width <= PREFILL_MAX_TABLE_W else 0
     prefill_attention_kernel[grid](
         q, *caches, out, cu_seqlens_q, context_lens, block_tables, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0), width,
         GROUP=num_heads // k_cache.size(2), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.size(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, SCALED=kv_scales is not None, num_warps=num_warps, num_stages=num_stages,
-        **pdl_args(q.device))
+        BLOCK_M=block_m, BLOCK_N=block_n, SCALED=kv_scales is not None, TABLE_W=table_w, num_warps=num_warps,
+        num_stages=num_stages, **pdl_args(q.device))
     return out
 
 

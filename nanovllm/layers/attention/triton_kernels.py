@@ -25,14 +25,19 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, kv_head, n0,
                  in_range, valid, offs_d, scale_log2, BLOCK_SIZE: tl.constexpr, stride_kb, stride_kt, stride_kh,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr, MASKED: tl.constexpr = True):
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr, MASKED: tl.constexpr = True,
+                 table_row=0, TABLE_W: tl.constexpr = 0):
     """Fold one tile of keys (positions n0 + [0, BLOCK_N), n0 a multiple of BLOCK_N, loaded where
     in_range [N]; `valid` [M, N] says which query may see which key) into the running (acc, m, l)
     of the queries q [M, D] (fp16 when SCALED, unless float32). Not MASKED: every query sees every
-    key of the tile (in_range all true, valid unused), so no masks and no row without a key."""
+    key of the tile (in_range all true, valid unused), so no masks and no row without a key.
+    TABLE_W > 0: table_row [TABLE_W] holds the sequence's block-table row, loaded before the loop."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if BLOCK_SIZE % BLOCK_N == 0:  # the tile lies in one block
-        block = tl.load(table_ptr + n0 // BLOCK_SIZE).to(tl.int64)
+        if TABLE_W > 0:  # no load between the loop counter and the tile's address
+            block = tl.sum(tl.where(tl.arange(0, TABLE_W) == n0 // BLOCK_SIZE, table_row, 0)).to(tl.int64)
+        else:
+            block = tl.load(table_ptr + n0 // BLOCK_SIZE).to(tl.int64)
         rows = block * stride_kb + kv_head * stride_kh + (n0 % BLOCK_SIZE + tl.arange(0, BLOCK_N)) * stride_kt
     else:
         block = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
@@ -72,14 +77,17 @@ def _split_len(ctx_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 # The block-table width changes from step to step: keep it out of Triton's specialisation
 # (on 1 and on multiples of 16), which would otherwise compile new variants mid-run.
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "table_width"])
 def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, cu_q_ptr,
                              context_lens_ptr, block_tables_ptr, scale_log2, stride_qt, stride_qh, stride_ot,
-                             stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, GROUP: tl.constexpr,
+                             stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, table_width, GROUP: tl.constexpr,
                              HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+                             BLOCK_N: tl.constexpr, SCALED: tl.constexpr, TABLE_W: tl.constexpr, PDL: tl.constexpr):
     """Grid (q tiles, num_heads, num_seqs): causal attention of BLOCK_M new tokens of one sequence
-    and head over that sequence's cached keys (its earlier tokens and this step's)."""
+    and head over that sequence's cached keys (its earlier tokens and this step's). TABLE_W > 0
+    (a power of two >= table_width, the block tables' width): the sequence's block-table row is
+    loaded once, before the loop; a load of it per tile sits on each tile's address chain, which
+    cost 6-8% of the kernel's time on an H100 (NOTES.md, 2026-11-26, thirteenth session)."""
     pdl_start(PDL)
     pid_m, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_q_ptr + seq)
@@ -98,6 +106,9 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_sca
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     table_ptr = block_tables_ptr + seq * stride_bt
+    table_row = 0
+    if TABLE_W > 0:
+        table_row = tl.load(table_ptr + tl.arange(0, TABLE_W), mask=tl.arange(0, TABLE_W) < table_width, other=0)
     end = tl.minimum(ctx_len, ctx_len - q_len + (pid_m + 1) * BLOCK_M)
     # tiles wholly at or before the tile's first query need no mask (FlashAttention-2's split of
     # the causal loop); the rest, up to the diagonal, are masked
@@ -106,14 +117,14 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_sca
     for n0 in range(0, unmasked_end, BLOCK_N):
         acc, m, l = _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr,
                                  head // GROUP, n0, every_key, None, offs_d, scale_log2, BLOCK_SIZE, stride_kb,
-                                 stride_kt, stride_kh, HEAD_DIM, BLOCK_N, SCALED, MASKED=False)
+                                 stride_kt, stride_kh, HEAD_DIM, BLOCK_N, SCALED, False, table_row, TABLE_W)
     for n0 in range(unmasked_end, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_range = offs_n < end
         valid = (offs_n[None, :] <= q_pos[:, None]) & in_range[None, :]
         acc, m, l = _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr,
                                  head // GROUP, n0, in_range, valid, offs_d, scale_log2, BLOCK_SIZE, stride_kb,
-                                 stride_kt, stride_kh, HEAD_DIM, BLOCK_N, SCALED)
+                                 stride_kt, stride_kh, HEAD_DIM, BLOCK_N, SCALED, True, table_row, TABLE_W)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(o_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
