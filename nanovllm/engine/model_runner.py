@@ -238,7 +238,7 @@ class ModelRunner:
             else:  # the graph computes every row's logits (this rank's slice); pending ids are gathered with its inputs
                 hidden, logits = self.graph_runner.replay(graph_bs, input_ids, pending, prev_sampled, meta)
         if len(plan.block_copies):  # forked sequences' own copy of a shared, partial block, written just now
-            src, dst = torch.from_numpy(plan.block_copies).to(self.device).unbind(1)
+            src, dst = tensors["block_copies"].unbind(1)  # staged with the plan: a blocking copy would wait for the GPU
             self.kv_cache.copy_blocks(src, dst)
         prompt_lp = self._prompt_logprobs(plan, hidden, tensors) if len(plan.prompt_rows) else None
         if not len(plan.sample_rows):

@@ -123,7 +123,7 @@ class Stager:
         """Every array of the plan on the device, by field name (StepPlan.INT32 as int32, the rest
         int64); input_ids and pending only when the plan has them."""
         names = [n for n in ("input_ids", "pending", "positions", "slot_mapping", "sample_rows", "prompt_rows",
-                             "prompt_targets", *StepPlan.INT32)
+                             "prompt_targets", "block_copies", *StepPlan.INT32)
                  if getattr(plan, n) is not None]
         dtypes = [torch.int32 if n in StepPlan.INT32 else torch.int64 for n in names]
         return dict(zip(names, self.upload([getattr(plan, n) for n in names], dtypes)))
