@@ -236,3 +236,31 @@ def test_script_without_main_guard_fails_fast(tiny_qwen3, tmp_path, parallel, de
     assert dead in run.stderr and "while starting" in run.stderr, run.stderr[-2000:]
     assert 'if __name__ == "__main__":' in run.stderr
     assert time.monotonic() - start < 120
+
+
+@pytest.mark.parametrize("lock", [False, True])
+def test_worker_progress_bars_leak_no_semaphore(tmp_path, lock):
+    """A tensor-parallel worker leaves by os._exit; one that drew a tqdm bar (loading a GGUF does)
+    would leak tqdm's multiprocessing lock, and Python warned of a leaked semaphore when the
+    user's script ended. Without process_local_progress_lock the warning is expected (else this
+    tqdm leaks nothing and there is nothing to check)."""
+    script = tmp_path / "bar.py"
+    script.write_text(
+        "import multiprocessing as mp, os\n"
+        "def child():\n"
+        f"    if {lock}:\n"
+        "        from nanovllm.parallel.tp_workers import process_local_progress_lock\n"
+        "        process_local_progress_lock()\n"
+        "    from tqdm import tqdm\n"
+        "    for _ in tqdm(range(2), disable=False): pass\n"
+        "    os._exit(0)\n"
+        "if __name__ == '__main__':\n"
+        "    p = mp.get_context('spawn').Process(target=child); p.start(); p.join()\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(nanovllm.__file__)))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": root})
+    assert run.returncode == 0, run.stderr[-2000:]
+    leaked = "leaked semaphore" in run.stderr
+    if not lock and not leaked:
+        pytest.skip("this tqdm leaks no semaphore on os._exit")
+    assert leaked != lock, run.stderr[-2000:]

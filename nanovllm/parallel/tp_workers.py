@@ -19,15 +19,24 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 import torch.distributed as dist
+from tqdm import tqdm
 
 from nanovllm.config import Config
 from nanovllm.parallel.process_group import leave_process_group, symmetric_memory_unused
 from nanovllm.parallel.processes import die_with_parent, died_while_starting, stop_processes
 
 
+def process_local_progress_lock():
+    """Give tqdm a lock of this process alone (a threading lock). Its default is a multiprocessing
+    semaphore (made at the first progress bar, e.g. a GGUF conversion's), which a worker's os._exit
+    would leak, and Python would then warn of it when the user's script exits."""
+    tqdm.set_lock(threading.RLock())
+
+
 def _worker_main(config: Config, rank: int, store_path: str, symmetric: bool, conn, parent_pid: int):
     die_with_parent(parent_pid)
     conn.send("started")  # past the spawn bootstrap, which re-imports the parent's main module
+    process_local_progress_lock()
     from nanovllm.engine.model_runner import ModelRunner
     try:
         runner = ModelRunner(config, rank=rank, store_path=store_path, symmetric=symmetric)
