@@ -261,10 +261,9 @@ class ModelRunner:
         token ids [N] on rank 0, None elsewhere. The same draw as the Sampler's from whole rows,
         without gathering them (78 MB of bf16 logits for 256 rows of Qwen3's vocabulary)."""
         params = torch.zeros(2, logits.size(0), dtype=torch.int32, device=self.device)  # temperatures' bits, seeds
-        if self.rank == 0:
-            if st is not None and st.temperatures is not None:
-                params[0] = st.temperatures.view(torch.int32)
-            params[1] = self.sampler.kernel_seeds(logits.size(0), st, self.device)
+        if self.rank == 0 and st is not None and st.temperatures is not None:  # else all greedy: no noise, no seeds
+            params[0] = st.temperatures.view(torch.int32)
+            params[1] = self.sampler.kernel_seeds(logits.size(0), st)
         dist.broadcast(params, 0)
         head = self.model.lm_head
         maxima, ids = shard_candidates(logits, params[0].view(torch.float32), params[1], head.vocab_start,

@@ -232,14 +232,14 @@ class Sampler(nn.Module):
         token_ids = torch.arange(logits.size(1), device=logits.device).expand_as(logits)
         return torch.where(greedy, logits.argmax(-1), (logits + self._noise(token_ids, st)).argmax(-1)), logits
 
-    def kernel_seeds(self, rows: int, st: SamplingTensors | None, device=None) -> torch.Tensor:
+    def kernel_seeds(self, rows: int, st: SamplingTensors) -> torch.Tensor:
         """[rows] int32 seeds of the Gumbel noise drawn by hashing (the Triton samplers',
-        shard_candidates'): seeded rows' own, the others' from the engine's generator (fresh each
-        step); on st's device, else `device`."""
-        device = st.temperatures.device if st is not None and st.temperatures is not None else device
+        shard_candidates'), on st.temperatures' device: seeded rows' own, the others' from the
+        engine's generator (fresh each step)."""
+        device = st.temperatures.device
         gen = self._default_generator(device)
         seeds = torch.randint(0, 2**31 - 1, (rows,), dtype=torch.int32, device=device, generator=gen)
-        if st is not None and st.seeds is not None:
+        if st.seeds is not None:
             seeds[st.seeds[0]] = st.seeds[1].to(torch.int32)
         return seeds
 
