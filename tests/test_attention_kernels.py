@@ -84,6 +84,44 @@ def test_prefill_kernel(dtype, block_size, group, head_dim, fp8, table_in_regist
         assert rel_err(out, ref) < TOL[dtype], f"block_m={block_m}, block_n={block_n}"
 
 
+class _RopeCfg:
+    rope_theta = 1e6
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype,block_size,group,head_dim", CASES[:4])
+def test_prefill_kernel_rotates_q_inside(dtype, block_size, group, head_dim, norm, fp8):
+    """new_q: the kernel norms and rotates its q tiles at each query's position (its index in the
+    sequence); the output must be the float32 attention with qk_norm_rope's q, and q not written."""
+    from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    gen = torch.Generator().manual_seed(group * head_dim + 2 * norm + fp8)
+    num_kv_heads = 2
+    shapes = [(0, 77), (130, 35), (0, 1), (300, 1), (17, 200)] if CUDA else [(0, 11), (9, 5), (0, 1), (20, 3)]
+    context_lens = [p + n for p, n in shapes]
+    k, v, tables, kv_scales = make_cache(context_lens, block_size, num_kv_heads, head_dim, dtype, gen, fp8)
+    counts = torch.tensor([n for _, n in shapes])
+    cu_q = torch.zeros(len(shapes) + 1, dtype=torch.int32)
+    cu_q[1:] = counts.cumsum(0)
+    q = torch.randn(int(cu_q[-1]), num_kv_heads * group, head_dim, generator=gen).to(DEVICE, dtype)
+    positions = torch.cat([torch.arange(p, p + n) for p, n in shapes]).to(DEVICE)
+    rope = RotaryEmbedding(_RopeCfg(), head_dim, 4096).to(DEVICE)
+    weights = tuple(torch.randn(head_dim, generator=gen).to(DEVICE, dtype) for _ in range(2)) if norm else (None, None)
+    q_ref = q.clone()
+    qk_norm_rope(positions, q_ref, torch.zeros_like(q_ref[:, :num_kv_heads]), rope.cos_sin_cache, *weights, 1e-6)
+    cu_q, lens = cu_q.to(DEVICE), torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim ** -0.5
+    ref = reference(q_ref, k, v, cu_q, lens, tables, scale, kv_scales)
+    q_before = q.clone()
+    for block_m, block_n in ((64, 64), (16, 16)):
+        out = torch.full_like(q, float("nan"))
+        prefill_attention(q, k, v, cu_q, lens, tables, int(counts.max()), scale, out=out, kv_scales=kv_scales,
+                          block_m=block_m, block_n=block_n, new_q=(rope.cos_sin_cache, weights[0], 1e-6))
+        assert rel_err(out, ref) < TOL[dtype], f"block_m={block_m}, block_n={block_n}"
+    assert torch.equal(q, q_before)
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("dtype,block_size,group,head_dim", CASES)
 @pytest.mark.parametrize("num_seqs", [1, 5, 64] if CUDA else [3])
@@ -117,10 +155,6 @@ def test_decode_kernel_zero_length_rows_give_zeros():
     for splits in (1, 4):
         out = decode_attention(q, k, v, lens, tables, 0.25, num_splits=splits)
         assert torch.equal(out[1], torch.zeros_like(out[1])) and not out.isnan().any()
-
-
-class _RopeCfg:
-    rope_theta = 1e6
 
 
 @pytest.mark.parametrize("fp8", [False, True])

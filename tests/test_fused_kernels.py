@@ -8,7 +8,7 @@ from nanovllm.engine.kv_cache import KVCacheSpec  # noqa: E402
 from nanovllm.layers.attention.torch_backend import TorchBackend  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
 from nanovllm.layers.fp8_kernel import _round_to_e4m3  # noqa: E402
-from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope  # noqa: E402
+from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope, rope_store_kv  # noqa: E402
 from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -56,7 +56,8 @@ def test_qk_norm_rope_matches_torch(dtype, norm, heads, kv_heads, head_dim):
 def test_qk_norm_rope_writes_the_kv_cache(dtype, fp8, kv_heads, head_dim, block_size):
     """With kv_cache the kernel also writes the rotated k and v rows at their slots (-1 skipped),
     exactly as the torch backend's store does with the same k (a float8 cache: the same values
-    and scales); other slots stay untouched."""
+    and scales); other slots stay untouched. rope_store_kv writes the same cache and leaves q, k
+    and v as they were."""
     g = torch.Generator().manual_seed(kv_heads * head_dim)
     T, heads, num_blocks = 41, 2 * kv_heads, 7
     rope = RotaryEmbedding(Cfg(), head_dim, 4096).to(DEVICE)
@@ -72,18 +73,24 @@ def test_qk_norm_rope_writes_the_kv_cache(dtype, fp8, kv_heads, head_dim, block_
     slots = slots.to(DEVICE)
     norms = (RMSNorm(head_dim).to(DEVICE, dtype), RMSNorm(head_dim).to(DEVICE, dtype))
     caches = [KVCacheSpec(1, block_size, kv_heads, head_dim, torch.float8_e4m3fn if fp8 else dtype).allocate(
-        num_blocks, DEVICE) for _ in range(2)]
+        num_blocks, DEVICE) for _ in range(3)]
     for c in caches:
         c.data.view(torch.uint8).fill_(0xFF)  # NaN in every float dtype; unwritten slots stay so
         if fp8:
             c.scales.fill_(float("nan"))
-    ours, torchs = TorchBackend(), TorchBackend()
+    ours, torchs, k_only = TorchBackend(), TorchBackend(), TorchBackend()
     ours.bind_kv_cache(caches[0])
     torchs.bind_kv_cache(caches[1])
+    k_only.bind_kv_cache(caches[2])
+    qkv_before = qkv.clone()
+    rope_store_kv(positions, k, rope.cos_sin_cache, norms[1].weight, 1e-6,
+                  (v, k_only.k_caches[0], k_only.v_caches[0], k_only.k_scales[0], k_only.v_scales[0], slots))
+    assert torch.equal(qkv, qkv_before)
     qk_norm_rope(positions, q, k, rope.cos_sin_cache, norms[0].weight, norms[1].weight, 1e-6,
                  kv_cache=(v, ours.k_caches[0], ours.v_caches[0], ours.k_scales[0], ours.v_scales[0], slots))
     torchs.store_kv(0, k, v, slots)  # k is rotated in place by now
-    for ours_t, torch_t in ((caches[0].data, caches[1].data), (caches[0].scales, caches[1].scales)):
+    for ours_t, torch_t in ((caches[0].data, caches[1].data), (caches[0].scales, caches[1].scales),
+                            (caches[2].data, caches[0].data), (caches[2].scales, caches[0].scales)):
         if ours_t is not None:
             a, b = ours_t.float().nan_to_num(7.0), torch_t.float().nan_to_num(7.0)
             assert torch.equal(a, b), (int((a != b).sum()), a[a != b][:4].tolist(), b[a != b][:4].tolist())

@@ -2,7 +2,8 @@
 q_norm/k_norm) then rotary embedding in the rotate-half layout, and optionally the token's k and
 v written into the paged KV cache (a float8 cache with its scales, as layers/fp8.py quantize_fp8
 computes them). Replaces six kernels (two norms, two rotations, the cache store) that each read
-and wrote q, k or v."""
+and wrote q, k or v. rope_store_kv is the same pass over k alone into the cache, nothing written
+back: prefill attention norms and rotates q itself."""
 import torch
 import triton
 import triton.language as tl
@@ -14,7 +15,7 @@ from nanovllm.layers.pdl import pdl_args, pdl_start
 @triton.jit
 def norm_rope(x1, x2, weight_ptr, cos, sin, eps, HALF: tl.constexpr, NORM: tl.constexpr):
     """Head vectors given as halves x1, x2 [H, HALF] (model dtype) -> the halves after the optional
-    RMSNorm (weight [2 * HALF]) and the rotation by cos, sin [1, HALF] (float32)."""
+    RMSNorm (weight [2 * HALF]) and the rotation by cos, sin [1 or H, HALF] (float32)."""
     dtype = x1.dtype
     d = tl.arange(0, HALF)[None, :]
     # Every step is rounded to the model dtype where transformers' bf16/fp16 forward rounds it.
@@ -31,7 +32,7 @@ def norm_rope(x1, x2, weight_ptr, cos, sin, eps, HALF: tl.constexpr, NORM: tl.co
 
 @triton.jit
 def _norm_rope_heads(x_ptr, row, weight_ptr, cos, sin, eps, NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-                     HALF: tl.constexpr, NORM: tl.constexpr):
+                     HALF: tl.constexpr, NORM: tl.constexpr, WRITE: tl.constexpr = True):
     heads = tl.arange(0, HEADS_PAD)[:, None]
     d = tl.arange(0, HALF)[None, :]
     mask = heads < NUM_HEADS
@@ -39,8 +40,9 @@ def _norm_rope_heads(x_ptr, row, weight_ptr, cos, sin, eps, NUM_HEADS: tl.conste
     x1 = tl.load(ptr, mask=mask, other=0.0)
     x2 = tl.load(ptr + HALF, mask=mask, other=0.0)
     y1, y2 = norm_rope(x1, x2, weight_ptr, cos, sin, eps, HALF, NORM)
-    tl.store(ptr, y1, mask=mask)
-    tl.store(ptr + HALF, y2, mask=mask)
+    if WRITE:
+        tl.store(ptr, y1, mask=mask)
+        tl.store(ptr + HALF, y2, mask=mask)
     return y1, y2
 
 
@@ -64,19 +66,21 @@ def qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, 
                         v_ptr, stride_v, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
                         NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, Q_PAD: tl.constexpr,
                         K_PAD: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
-                        SCALED: tl.constexpr, PDL: tl.constexpr):
+                        SCALED: tl.constexpr, IN_PLACE: tl.constexpr, PDL: tl.constexpr):
     """Grid (num_tokens,). With STORE, also k (rotated) and v into the caches at the token's slot
     (slot_mapping; -1 skips): the cache row of a slot is its num_kv_heads * head_dim values, its
-    scales (SCALED) num_kv_heads floats."""
+    scales (SCALED) num_kv_heads floats. Not IN_PLACE: q untouched, k only stored."""
     pdl_start(PDL)
     t = tl.program_id(0)
     pos = tl.load(positions_ptr + t)
     d = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + d)
     sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + d)
-    _norm_rope_heads(q_ptr, t.to(tl.int64) * stride_q, q_weight_ptr, cos, sin, eps, NUM_Q_HEADS, Q_PAD, HALF, NORM)
+    if IN_PLACE:
+        _norm_rope_heads(q_ptr, t.to(tl.int64) * stride_q, q_weight_ptr, cos, sin, eps, NUM_Q_HEADS, Q_PAD, HALF,
+                         NORM)
     k1, k2 = _norm_rope_heads(k_ptr, t.to(tl.int64) * stride_k, k_weight_ptr, cos, sin, eps, NUM_K_HEADS, K_PAD,
-                              HALF, NORM)
+                              HALF, NORM, IN_PLACE)
     if STORE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
@@ -101,17 +105,28 @@ def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
     slot_mapping [T]) to also write the rotated k and v into the caches [num_blocks, block_size,
     num_kv_heads, head_dim]; the scales [num_blocks, block_size, num_kv_heads] float32 of float8
     caches, else None."""
+    _launch(positions, q, k, cos_sin_cache, q_weight, k_weight, eps, kv_cache, in_place=True)
+    return q, k
+
+
+def rope_store_kv(positions: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, k_weight: torch.Tensor | None,
+                  eps: float, kv_cache: tuple):
+    """qk_norm_rope's store of the normed, rotated k and of v into the cache (kv_cache as there), with
+    k itself left as it is and no q: for attention kernels that norm and rotate q themselves."""
+    _launch(positions, k, k, cos_sin_cache, k_weight, k_weight, eps, kv_cache, in_place=False)
+
+
+def _launch(positions, q, k, cos_sin_cache, q_weight, k_weight, eps, kv_cache, in_place):
     assert q.stride(2) == k.stride(2) == 1 and q.stride(1) == k.stride(1) == q.size(2)
-    norm, store = q_weight is not None, kv_cache is not None
+    norm, store = k_weight is not None, kv_cache is not None
     v, k_cache, v_cache, k_scales, v_scales, slots = kv_cache if store else (k, k, k, None, None, positions)
     scaled = k_scales is not None
     assert not store or (v.stride(2) == 1 and v.stride(1) == v.size(2) and k_cache.is_contiguous()
                          and v_cache.is_contiguous() and k_cache.shape[2:] == k.shape[1:])
     assert not scaled or (k_scales.is_contiguous() and v_scales.is_contiguous())
-    qk_norm_rope_kernel[(q.size(0),)](
+    qk_norm_rope_kernel[(k.size(0),)](
         q, k, positions, cos_sin_cache, q_weight if norm else q, k_weight if norm else k, q.stride(0), k.stride(0), eps,
         v, v.stride(0), k_cache, v_cache, k_scales if scaled else k, v_scales if scaled else k, slots,
         NUM_Q_HEADS=q.size(1), NUM_K_HEADS=k.size(1), Q_PAD=triton.next_power_of_2(q.size(1)),
-        K_PAD=triton.next_power_of_2(k.size(1)), HALF=q.size(2) // 2, NORM=norm, STORE=store, SCALED=scaled,
-        num_warps=4, **pdl_args(q.device))
-    return q, k
+        K_PAD=triton.next_power_of_2(k.size(1)), HALF=k.size(2) // 2, NORM=norm, STORE=store, SCALED=scaled,
+        IN_PLACE=in_place, num_warps=4, **pdl_args(k.device))

@@ -8,7 +8,7 @@ from nanovllm.layers.attention.base import AttentionBackend
 from nanovllm.layers.attention.triton_kernels import (LOG2E, decode_attention_kernel, prefill_attention_kernel,
                                                       reduce_splits_kernel)
 from nanovllm.layers.pdl import pdl_args
-from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope
+from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope, rope_store_kv
 
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, DECODE_BLOCK_N = 64, 64, 64
 # block-table rows up to this wide are loaded once per prefill program, longer ones entry by entry in
@@ -32,10 +32,15 @@ def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: tuple |
 
 
 def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale, out=None,
-                      kv_scales=None, block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, num_warps=4, num_stages=3):
+                      kv_scales=None, block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, num_warps=4, num_stages=3,
+                      new_q=None):
     """Causal attention of the packed new tokens q: [T, num_heads, head_dim] (sequence i's at
-    cu_seqlens_q[i]:cu_seqlens_q[i+1], the last ones of its context_lens[i] tokens) over the paged
-    cache; kv_scales: (k_scales, v_scales) of a float8 cache, else None."""
+    cu_seqlens_q[i]:cu_seqlens_q[i+1], the last ones of its context_lens[i] tokens, so at positions
+    context_lens[i] - n .. context_lens[i] - 1) over the paged cache; kv_scales: (k_scales, v_scales)
+    of a float8 cache, else None. new_q: None (q final), or (cos_sin_cache, q_weight or None, eps) as
+    qk_norm_rope takes them: q is then normed and rotated inside the kernel (not written). That saves
+    q's read and write in qk_norm_rope_kernel: at 16 x 1024 tokens of Qwen3-0.6B on an H100 that
+    kernel 110.6 -> 53.4 us, this one 236.5 -> 247.3 (NOTES.md, 2026-11-26, fourteenth session)."""
     out = torch.empty_like(q) if out is None else out
     num_heads, head_dim = q.size(1), q.size(2)
     grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, context_lens.size(0))
@@ -43,12 +48,14 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
     width = block_tables.size(1)
     # the table row in registers when it is short (at least 16 wide: fewer compiled variants)
     table_w = max(16, triton.next_power_of_2(width)) if width <= PREFILL_MAX_TABLE_W else 0
+    cos_sin, q_weight, eps = new_q or (q, None, 0.0)
     prefill_attention_kernel[grid](
         q, *caches, out, cu_seqlens_q, context_lens, block_tables, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0), width,
+        cos_sin, q if q_weight is None else q_weight, eps,
         GROUP=num_heads // k_cache.size(2), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.size(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, SCALED=kv_scales is not None, TABLE_W=table_w, num_warps=num_warps,
-        num_stages=num_stages, **pdl_args(q.device))
+        BLOCK_M=block_m, BLOCK_N=block_n, SCALED=kv_scales is not None, TABLE_W=table_w, ROPE=new_q is not None,
+        NORM=q_weight is not None, num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device))
     return out
 
 
@@ -121,9 +128,10 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num
 
 
 class TritonBackend(AttentionBackend):
-    """The Triton kernels: for prefill one fused kernel for the per-head norms, rotary embedding and
-    K/V store, then paged prefill attention; for decode split-KV attention that does that work
-    itself (with a float8 cache up to FUSED_FP8_MAX_SEQS sequences)."""
+    """The Triton kernels. Decode: split-KV attention that also norms and rotates q and k and stores
+    k, v (with a float8 cache up to FUSED_FP8_MAX_SEQS sequences; past that, qk_norm_rope_kernel
+    first). Prefill: one kernel norms, rotates and stores k and v, then paged prefill attention
+    norms and rotates its q tiles."""
     name = "triton"
     supports_cuda_graphs = True  # launch shapes depend only on the batch size
 
@@ -131,18 +139,21 @@ class TritonBackend(AttentionBackend):
         norms = layer.qk_norms
         weights = (norms[0].weight, norms[1].weight, norms[0].eps) if norms else (None, None, 0.0)
         i = layer.layer_idx
-        scales = None if self.k_scales[i] is None else (self.k_scales[i], self.v_scales[i])
+        cos_sin = layer.rotary_emb.cos_sin_cache
+        caches = (self.k_caches[i], self.v_caches[i], self.k_scales[i], self.v_scales[i])
+        scales = None if caches[2] is None else caches[2:]
         if meta.is_decode and (scales is None or q.size(0) <= FUSED_FP8_MAX_SEQS):
             # the norms, rotation and K/V store inside the attention kernel: one kernel fewer per layer
             # (H100: decode graph of 1 sequence 930 -> 880 us, of 8 1360 -> 1247).
-            return decode_attention(q, self.k_caches[i], self.v_caches[i], meta.context_lens, meta.block_tables,
-                                    layer.scale, kv_scales=scales,
-                                    new_token=(k, v, meta.positions, layer.rotary_emb.cos_sin_cache, *weights,
-                                               meta.slot_mapping))
-        qk_norm_rope(meta.positions, q, k, layer.rotary_emb.cos_sin_cache, *weights,
-                     kv_cache=(v, self.k_caches[i], self.v_caches[i], self.k_scales[i], self.v_scales[i],
-                               meta.slot_mapping))
-        return self.attend(i, q, meta, layer.scale)
+            return decode_attention(q, caches[0], caches[1], meta.context_lens, meta.block_tables, layer.scale,
+                                    kv_scales=scales,
+                                    new_token=(k, v, meta.positions, cos_sin, *weights, meta.slot_mapping))
+        if meta.is_decode:
+            qk_norm_rope(meta.positions, q, k, cos_sin, *weights, kv_cache=(v, *caches, meta.slot_mapping))
+            return self.attend(i, q, meta, layer.scale)
+        rope_store_kv(meta.positions, k, cos_sin, weights[1], weights[2], (v, *caches, meta.slot_mapping))
+        return prefill_attention(q, caches[0], caches[1], meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+                                 meta.max_seqlen_q, layer.scale, kv_scales=scales, new_q=(cos_sin, *weights[::2]))
 
     def attend(self, layer_idx, q, meta, scale):
         i = layer_idx

@@ -80,14 +80,18 @@ def _split_len(ctx_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["stride_bt", "table_width"])
 def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, cu_q_ptr,
                              context_lens_ptr, block_tables_ptr, scale_log2, stride_qt, stride_qh, stride_ot,
-                             stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, table_width, GROUP: tl.constexpr,
-                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, SCALED: tl.constexpr, TABLE_W: tl.constexpr, PDL: tl.constexpr):
+                             stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, table_width, cos_sin_ptr,
+                             q_weight_ptr, eps, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr,
+                             TABLE_W: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     """Grid (q tiles, num_heads, num_seqs): causal attention of BLOCK_M new tokens of one sequence
     and head over that sequence's cached keys (its earlier tokens and this step's). TABLE_W > 0
     (a power of two >= table_width, the block tables' width): the sequence's block-table row is
     loaded once, before the loop; a load of it per tile sits on each tile's address chain, which
-    cost 6-8% of the kernel's time on an H100 (NOTES.md, 2026-11-26, thirteenth session)."""
+    cost 6-8% of the kernel's time on an H100 (NOTES.md, 2026-11-26, thirteenth session).
+    With ROPE, q is this step's projection, not yet normed (NORM: q_weight) or rotated: the
+    program does that to its tile (qk_norm_rope's arithmetic, at the query's position in its
+    sequence), so q makes no round trip through memory before attention."""
     pdl_start(PDL)
     pid_m, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_q_ptr + seq)
@@ -98,8 +102,18 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_sca
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     q_pos = ctx_len - q_len + offs_m  # absolute positions of the queries
-    q = tl.load(q_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=(offs_m < q_len)[:, None], other=0.0)
+    q_rows = q_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + head * stride_qh
+    q_mask = (offs_m < q_len)[:, None]
+    if ROPE:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        d = tl.arange(0, HALF)[None, :]
+        cos = tl.load(cos_sin_ptr + q_pos[:, None] * HEAD_DIM + d, mask=q_mask, other=0.0)
+        sin = tl.load(cos_sin_ptr + q_pos[:, None] * HEAD_DIM + HALF + d, mask=q_mask, other=0.0)
+        q1, q2 = norm_rope(tl.load(q_rows + d, mask=q_mask, other=0.0), tl.load(q_rows + HALF + d, mask=q_mask,
+                           other=0.0), q_weight_ptr, cos, sin, eps, HALF, NORM)
+        q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_M, HEAD_DIM))
+    else:
+        q = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0)
     if SCALED and q.dtype != tl.float32:
         q = q.to(tl.float16)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
