@@ -58,6 +58,33 @@ CPU_CASES = [(torch.float32, 16, 2, 16), (torch.float16, 4, 1, 32), (torch.float
 CASES = GPU_CASES if CUDA else CPU_CASES
 
 
+# (cached prefix, new tokens) per sequence: plain prefill, prefix hits, chunks, single decode tokens
+PREFILL_SHAPES = [(0, 77), (130, 35), (0, 1), (300, 1), (17, 200)] if CUDA else [(0, 11), (9, 5), (0, 1), (20, 3)]
+
+
+def prefill_batch(dtype, block_size, group, head_dim, fp8, gen):
+    """A step of PREFILL_SHAPES over 2 KV heads: q [T, 2 * group, head_dim], the caches (make_cache's
+    k, v, block_tables, kv_scales), cu_seqlens_q, context_lens and the tokens' positions [T]."""
+    context_lens = [p + n for p, n in PREFILL_SHAPES]
+    k, v, tables, kv_scales = make_cache(context_lens, block_size, 2, head_dim, dtype, gen, fp8)
+    cu_q = torch.zeros(len(PREFILL_SHAPES) + 1, dtype=torch.int32)
+    cu_q[1:] = torch.tensor([n for _, n in PREFILL_SHAPES]).cumsum(0)
+    q = torch.randn(int(cu_q[-1]), 2 * group, head_dim, generator=gen).to(DEVICE, dtype)
+    positions = torch.cat([torch.arange(p, p + n) for p, n in PREFILL_SHAPES]).to(DEVICE)
+    return (q, k, v, tables, kv_scales, cu_q.to(DEVICE), torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
+            positions)
+
+
+def check_prefill(q, ref, k, v, tables, kv_scales, cu_q, lens, **kwargs):
+    """prefill_attention at two tilings (16: block-aligned tiles) into NaN-poisoned outputs, against ref."""
+    max_q = max(n for _, n in PREFILL_SHAPES)
+    for block_m, block_n in ((64, 64), (16, 16)):
+        out = torch.full_like(q, float("nan"))
+        prefill_attention(q, k, v, cu_q, lens, tables, max_q, q.size(2) ** -0.5, out=out, kv_scales=kv_scales,
+                          block_m=block_m, block_n=block_n, **kwargs)
+        assert rel_err(out, ref) < TOL[q.dtype], f"block_m={block_m}, block_n={block_n}"
+
+
 @pytest.mark.parametrize("table_in_registers", [True, False])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("dtype,block_size,group,head_dim", CASES)
@@ -65,23 +92,9 @@ def test_prefill_kernel(dtype, block_size, group, head_dim, fp8, table_in_regist
     if not table_in_registers:  # rows longer than this are read entry by entry
         monkeypatch.setattr(triton_backend, "PREFILL_MAX_TABLE_W", 0)
     gen = torch.Generator().manual_seed(hash((block_size, group, head_dim)) % 2**31)
-    num_kv_heads = 2
-    # (cached prefix, new tokens) per sequence: plain prefill, prefix hits, chunks, single decode tokens
-    shapes = [(0, 77), (130, 35), (0, 1), (300, 1), (17, 200)] if CUDA else [(0, 11), (9, 5), (0, 1), (20, 3)]
-    context_lens = [p + n for p, n in shapes]
-    k, v, tables, kv_scales = make_cache(context_lens, block_size, num_kv_heads, head_dim, dtype, gen, fp8)
-    counts = torch.tensor([n for _, n in shapes])
-    cu_q = torch.zeros(len(shapes) + 1, dtype=torch.int32)
-    cu_q[1:] = counts.cumsum(0)
-    q = torch.randn(int(cu_q[-1]), num_kv_heads * group, head_dim, generator=gen).to(DEVICE, dtype)
-    cu_q, lens = cu_q.to(DEVICE), torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
-    scale = head_dim ** -0.5
-    ref = reference(q, k, v, cu_q, lens, tables, scale, kv_scales)
-    for block_m, block_n in ((64, 64), (16, 16)):  # 16: block-aligned tiles
-        out = torch.full_like(q, float("nan"))
-        prefill_attention(q, k, v, cu_q, lens, tables, int(counts.max()), scale, out=out, kv_scales=kv_scales,
-                          block_m=block_m, block_n=block_n)
-        assert rel_err(out, ref) < TOL[dtype], f"block_m={block_m}, block_n={block_n}"
+    q, k, v, tables, kv_scales, cu_q, lens, _ = prefill_batch(dtype, block_size, group, head_dim, fp8, gen)
+    ref = reference(q, k, v, cu_q, lens, tables, head_dim ** -0.5, kv_scales)
+    check_prefill(q, ref, k, v, tables, kv_scales, cu_q, lens)
 
 
 class _RopeCfg:
@@ -97,28 +110,14 @@ def test_prefill_kernel_rotates_q_inside(dtype, block_size, group, head_dim, nor
     from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
     gen = torch.Generator().manual_seed(group * head_dim + 2 * norm + fp8)
-    num_kv_heads = 2
-    shapes = [(0, 77), (130, 35), (0, 1), (300, 1), (17, 200)] if CUDA else [(0, 11), (9, 5), (0, 1), (20, 3)]
-    context_lens = [p + n for p, n in shapes]
-    k, v, tables, kv_scales = make_cache(context_lens, block_size, num_kv_heads, head_dim, dtype, gen, fp8)
-    counts = torch.tensor([n for _, n in shapes])
-    cu_q = torch.zeros(len(shapes) + 1, dtype=torch.int32)
-    cu_q[1:] = counts.cumsum(0)
-    q = torch.randn(int(cu_q[-1]), num_kv_heads * group, head_dim, generator=gen).to(DEVICE, dtype)
-    positions = torch.cat([torch.arange(p, p + n) for p, n in shapes]).to(DEVICE)
+    q, k, v, tables, kv_scales, cu_q, lens, positions = prefill_batch(dtype, block_size, group, head_dim, fp8, gen)
     rope = RotaryEmbedding(_RopeCfg(), head_dim, 4096).to(DEVICE)
     weights = tuple(torch.randn(head_dim, generator=gen).to(DEVICE, dtype) for _ in range(2)) if norm else (None, None)
     q_ref = q.clone()
-    qk_norm_rope(positions, q_ref, torch.zeros_like(q_ref[:, :num_kv_heads]), rope.cos_sin_cache, *weights, 1e-6)
-    cu_q, lens = cu_q.to(DEVICE), torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
-    scale = head_dim ** -0.5
-    ref = reference(q_ref, k, v, cu_q, lens, tables, scale, kv_scales)
+    qk_norm_rope(positions, q_ref, torch.zeros_like(q_ref[:, :2]), rope.cos_sin_cache, *weights, 1e-6)
+    ref = reference(q_ref, k, v, cu_q, lens, tables, head_dim ** -0.5, kv_scales)
     q_before = q.clone()
-    for block_m, block_n in ((64, 64), (16, 16)):
-        out = torch.full_like(q, float("nan"))
-        prefill_attention(q, k, v, cu_q, lens, tables, int(counts.max()), scale, out=out, kv_scales=kv_scales,
-                          block_m=block_m, block_n=block_n, new_q=(rope.cos_sin_cache, weights[0], 1e-6))
-        assert rel_err(out, ref) < TOL[dtype], f"block_m={block_m}, block_n={block_n}"
+    check_prefill(q, ref, k, v, tables, kv_scales, cu_q, lens, new_q=(rope.cos_sin_cache, weights[0], 1e-6))
     assert torch.equal(q, q_before)
 
 
