@@ -21,6 +21,7 @@ class StepPlan:
     sample_rows: np.ndarray  # token rows whose logits are sampled
     is_decode: bool
     max_seqlen_q: int
+    num_decodes: int  # the leading sequences with one new token each (all of them in a decode step)
     block_copies: np.ndarray  # [C, 2]: (source, destination) KV blocks to copy after the forward
     prompt_rows: np.ndarray  # [Q] token rows whose logits give prompt logprobs (prompt_logprobs)
     prompt_targets: np.ndarray  # [Q]: the prompt token after each of those rows
@@ -77,9 +78,16 @@ def plan_step(scheduled: list[tuple[Sequence, int]], block_size: int, prev_rows:
     slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     plan = StepPlan(np.array(input_ids, np.int64), np.array(pending, np.int64).reshape(-1, 2), positions, cu_q,
                     context_lens, slot_mapping, block_tables, cu_q[np.array(samples, np.int64) + 1] - 1,
-                    bool((counts == 1).all()), int(counts.max()), np.array(block_copies, np.int64).reshape(-1, 2),
+                    bool((counts == 1).all()), int(counts.max()), _leading_ones(counts),
+                    np.array(block_copies, np.int64).reshape(-1, 2),
                     np.array(prompt_rows, np.int64), np.array(prompt_targets, np.int64), num_prompt_logprobs)
     return plan, sampled, prompt_spans
+
+
+def _leading_ones(counts: np.ndarray) -> int:
+    """How many entries of counts, from the first, are 1."""
+    others = np.flatnonzero(counts != 1)
+    return int(others[0]) if others.size else counts.size
 
 
 class Stager:

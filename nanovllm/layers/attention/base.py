@@ -1,10 +1,11 @@
 """What an attention backend is: the metadata it reads each step, and the methods the model
 (forward), the KV cache (bind_kv_cache) and the CUDA graph runner (the graph hooks) call.
 
-To add a backend, subclass AttentionBackend, override `attend` (and `forward` to fuse the
-rotary embedding with the K/V store, or `build_metadata` for metadata of its own), and name
-it in `nanovllm.layers.attention.BACKENDS`.
+To add a backend, subclass AttentionBackend, override `attend` (or `forward`, to fuse the
+rotary embedding with the K/V store; `build_metadata` for metadata of its own), and name it in
+`nanovllm.layers.attention.BACKENDS`.
 """
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,8 @@ class AttentionMetadata:
     context_lens: [B] int32, keys per sequence after this step (cached + new tokens).
     block_tables: [B, max_blocks] int32, each sequence's physical KV blocks in order.
     max_seqlen_q: the longest run of new tokens. is_decode: every sequence has one new token.
+    num_decodes: the first num_decodes sequences have one new token each (in a decode step, B; as
+    vLLM's split of decodes from prefills; the scheduler puts decoding sequences first).
     """
     positions: torch.Tensor
     slot_mapping: torch.Tensor
@@ -30,6 +33,14 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_seqlen_q: int
     is_decode: bool
+    num_decodes: int = 0
+
+    @functools.cached_property
+    def decodes(self) -> "AttentionMetadata":
+        """The metadata of the first num_decodes sequences alone: a decode step's."""
+        d = self.num_decodes
+        return AttentionMetadata(self.positions[:d], self.slot_mapping[:d], self.cu_seqlens_q[:d + 1],
+                                 self.context_lens[:d], self.block_tables[:d], 1, True, d)
 
 
 class AttentionBackend:
@@ -58,7 +69,8 @@ class AttentionBackend:
     def build_metadata(self, plan, tensors: dict[str, torch.Tensor]) -> AttentionMetadata:
         """The step's metadata from its StepPlan (host) and the plan's arrays on the device (by field name)."""
         return AttentionMetadata(tensors["positions"], tensors["slot_mapping"], tensors["cu_seqlens_q"],
-                                 tensors["context_lens"], tensors["block_tables"], plan.max_seqlen_q, plan.is_decode)
+                                 tensors["context_lens"], tensors["block_tables"], plan.max_seqlen_q, plan.is_decode,
+                                 plan.num_decodes)
 
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One Attention layer's work: rotary embedding (after the per-head norms, if any) of
@@ -100,10 +112,10 @@ class AttentionBackend:
             slot_mapping=torch.full((max_num_seqs,), -1, dtype=torch.int64, device=device),
             cu_seqlens_q=torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device),
             context_lens=zeros(max_num_seqs), block_tables=zeros(max_num_seqs, max_blocks_per_seq),
-            max_seqlen_q=1, is_decode=True)
+            max_seqlen_q=1, is_decode=True, num_decodes=max_num_seqs)
 
     def graph_metadata(self, batch_size: int) -> AttentionMetadata:
         """The static metadata of a decode batch of batch_size sequences (what a graph captures)."""
         g = self.graph_meta
         return AttentionMetadata(g.positions[:batch_size], g.slot_mapping[:batch_size], g.cu_seqlens_q[:batch_size + 1],
-                                 g.context_lens[:batch_size], g.block_tables[:batch_size], 1, True)
+                                 g.context_lens[:batch_size], g.block_tables[:batch_size], 1, True, batch_size)

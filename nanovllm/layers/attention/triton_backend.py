@@ -14,6 +14,11 @@ PREFILL_BLOCK_M, PREFILL_BLOCK_N, DECODE_BLOCK_N = 64, 64, 64
 # block-table rows up to this wide are loaded once per prefill program, longer ones entry by entry in
 # its loop. Decode programs read no faster with the row loaded once (H100, NOTES.md 2026-11-26).
 PREFILL_MAX_TABLE_W = 256
+# A mixed step's first sequences with one new token each (the decoding ones) go to the decode kernel
+# from this many on; below, the prefill kernel takes them with the rest (H100, a step of 16,384 tokens,
+# us per layer, one kernel -> decode + prefill kernels: 32 of them 394.8 -> 399.5, 64 477.8 -> 474.3,
+# 128 612.6 -> 579.4, 200 818.2 -> 737.1; NOTES.md, 2026-11-26, fourteenth session).
+SPLIT_DECODES_FROM = 96
 # A float8 cache's decode steps store the new token inside the attention kernel up to this many
 # sequences; beyond, every split program's float8 store and q rotation cost more than the kernel
 # they save (H100, Qwen3-0.6B, graph us separate -> fused: 1 sequence 902 -> 858, 8 1193 -> 1141,
@@ -33,17 +38,18 @@ def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: tuple |
 
 def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale, out=None,
                       kv_scales=None, block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, num_warps=4, num_stages=3,
-                      new_q=None):
+                      new_q=None, first_seq=0):
     """Causal attention of the packed new tokens q: [T, num_heads, head_dim] (sequence i's at
     cu_seqlens_q[i]:cu_seqlens_q[i+1], the last ones of its context_lens[i] tokens, so at positions
     context_lens[i] - n .. context_lens[i] - 1) over the paged cache; kv_scales: (k_scales, v_scales)
     of a float8 cache, else None. new_q: None (q final), or (cos_sin_cache, q_weight or None, eps) as
     qk_norm_rope takes them: q is then normed and rotated inside the kernel (not written). That saves
     q's read and write in qk_norm_rope_kernel: at 16 x 1024 tokens of Qwen3-0.6B on an H100 that
-    kernel 110.6 -> 53.4 us, this one 236.5 -> 247.3 (NOTES.md, 2026-11-26, fourteenth session)."""
+    kernel 110.6 -> 53.4 us, this one 236.5 -> 247.3 (NOTES.md, 2026-11-26, fourteenth session).
+    first_seq: sequences before it are left out (their rows of out not written)."""
     out = torch.empty_like(q) if out is None else out
     num_heads, head_dim = q.size(1), q.size(2)
-    grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, context_lens.size(0))
+    grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, context_lens.size(0) - first_seq)
     caches, strides = _cache_args(k_cache, v_cache, kv_scales)
     width = block_tables.size(1)
     # the table row in registers when it is short (at least 16 wide: fewer compiled variants)
@@ -51,7 +57,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
     cos_sin, q_weight, eps = new_q or (q, None, 0.0)
     prefill_attention_kernel[grid](
         q, *caches, out, cu_seqlens_q, context_lens, block_tables, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0), width,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0), width, first_seq,
         cos_sin, q if q_weight is None else q_weight, eps,
         GROUP=num_heads // k_cache.size(2), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.size(1),
         BLOCK_M=block_m, BLOCK_N=block_n, SCALED=kv_scales is not None, TABLE_W=table_w, ROPE=new_q is not None,
@@ -130,36 +136,50 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num
 class TritonBackend(AttentionBackend):
     """The Triton kernels. Decode: split-KV attention that also norms and rotates q and k and stores
     k, v (with a float8 cache up to FUSED_FP8_MAX_SEQS sequences; past that, qk_norm_rope_kernel
-    first). Prefill: one kernel norms, rotates and stores k and v, then paged prefill attention
-    norms and rotates its q tiles."""
+    first). Prefill: one kernel norms, rotates and stores k and stores v, then paged prefill
+    attention norms and rotates its q tiles; a mixed step's decoding sequences, from
+    SPLIT_DECODES_FROM of them, take the decode path."""
     name = "triton"
     supports_cuda_graphs = True  # launch shapes depend only on the batch size
 
     def forward(self, layer, q, k, v, meta):
-        norms = layer.qk_norms
-        weights = (norms[0].weight, norms[1].weight, norms[0].eps) if norms else (None, None, 0.0)
+        if meta.is_decode:
+            return self._decode(layer, q, k, v, meta)
+        i, d = layer.layer_idx, meta.num_decodes if meta.num_decodes >= SPLIT_DECODES_FROM else 0
+        q_weight, k_weight, eps = self._qk_norm(layer)
+        out = torch.empty_like(q)
+        if d:
+            self._decode(layer, q[:d], k[:d], v[:d], meta.decodes, out=out[:d])
+        rope_store_kv(meta.positions, k, layer.rotary_emb.cos_sin_cache, k_weight, eps,
+                      (v, self.k_caches[i], self.v_caches[i], self.k_scales[i], self.v_scales[i], meta.slot_mapping),
+                      first_token=d)  # a decode row has one token
+        return prefill_attention(q, self.k_caches[i], self.v_caches[i], meta.cu_seqlens_q, meta.context_lens,
+                                 meta.block_tables, meta.max_seqlen_q, layer.scale, out=out, kv_scales=self._scales(i),
+                                 new_q=(layer.rotary_emb.cos_sin_cache, q_weight, eps), first_seq=d)
+
+    def _decode(self, layer, q, k, v, meta, out=None):
+        """Decode attention of q [num_seqs, num_heads, head_dim] (one new token per sequence, not yet
+        normed or rotated, its k and v not yet stored)."""
         i = layer.layer_idx
-        cos_sin = layer.rotary_emb.cos_sin_cache
-        caches = (self.k_caches[i], self.v_caches[i], self.k_scales[i], self.v_scales[i])
-        scales = None if caches[2] is None else caches[2:]
-        if meta.is_decode and (scales is None or q.size(0) <= FUSED_FP8_MAX_SEQS):
+        cos_sin, scales = layer.rotary_emb.cos_sin_cache, self._scales(i)
+        q_weight, k_weight, eps = self._qk_norm(layer)
+        if scales is None or q.size(0) <= FUSED_FP8_MAX_SEQS:
             # the norms, rotation and K/V store inside the attention kernel: one kernel fewer per layer
             # (H100: decode graph of 1 sequence 930 -> 880 us, of 8 1360 -> 1247).
-            return decode_attention(q, caches[0], caches[1], meta.context_lens, meta.block_tables, layer.scale,
-                                    kv_scales=scales,
-                                    new_token=(k, v, meta.positions, cos_sin, *weights, meta.slot_mapping))
-        if meta.is_decode:
-            qk_norm_rope(meta.positions, q, k, cos_sin, *weights, kv_cache=(v, *caches, meta.slot_mapping))
-            return self.attend(i, q, meta, layer.scale)
-        rope_store_kv(meta.positions, k, cos_sin, weights[1], weights[2], (v, *caches, meta.slot_mapping))
-        return prefill_attention(q, caches[0], caches[1], meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-                                 meta.max_seqlen_q, layer.scale, kv_scales=scales, new_q=(cos_sin, *weights[::2]))
+            return decode_attention(q, self.k_caches[i], self.v_caches[i], meta.context_lens, meta.block_tables,
+                                    layer.scale, out=out, kv_scales=scales,
+                                    new_token=(k, v, meta.positions, cos_sin, q_weight, k_weight, eps,
+                                               meta.slot_mapping))
+        qk_norm_rope(meta.positions, q, k, cos_sin, q_weight, k_weight, eps,
+                     kv_cache=(v, self.k_caches[i], self.v_caches[i], *scales, meta.slot_mapping))
+        return decode_attention(q, self.k_caches[i], self.v_caches[i], meta.context_lens, meta.block_tables,
+                                layer.scale, out=out, kv_scales=scales)
 
-    def attend(self, layer_idx, q, meta, scale):
-        i = layer_idx
-        k_cache, v_cache = self.k_caches[i], self.v_caches[i]
-        scales = None if self.k_scales[i] is None else (self.k_scales[i], self.v_scales[i])
-        if meta.is_decode:
-            return decode_attention(q, k_cache, v_cache, meta.context_lens, meta.block_tables, scale, kv_scales=scales)
-        return prefill_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-                                 meta.max_seqlen_q, scale, kv_scales=scales)
+    def _scales(self, i: int) -> tuple | None:
+        return None if self.k_scales[i] is None else (self.k_scales[i], self.v_scales[i])
+
+    @staticmethod
+    def _qk_norm(layer) -> tuple:
+        """(q_norm weight, k_norm weight, eps) of a Qwen3 layer, else (None, None, 0.0)."""
+        norms = layer.qk_norms
+        return (norms[0].weight, norms[1].weight, norms[0].eps) if norms else (None, None, 0.0)

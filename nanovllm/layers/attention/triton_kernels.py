@@ -77,15 +77,16 @@ def _split_len(ctx_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 # The block-table width changes from step to step: keep it out of Triton's specialisation
 # (on 1 and on multiples of 16), which would otherwise compile new variants mid-run.
-@triton.jit(do_not_specialize=["stride_bt", "table_width"])
+@triton.jit(do_not_specialize=["stride_bt", "table_width", "first_seq"])
 def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, cu_q_ptr,
                              context_lens_ptr, block_tables_ptr, scale_log2, stride_qt, stride_qh, stride_ot,
-                             stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, table_width, cos_sin_ptr,
+                             stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, table_width, first_seq, cos_sin_ptr,
                              q_weight_ptr, eps, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr,
                              TABLE_W: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-    """Grid (q tiles, num_heads, num_seqs): causal attention of BLOCK_M new tokens of one sequence
-    and head over that sequence's cached keys (its earlier tokens and this step's). TABLE_W > 0
+    """Grid (q tiles, num_heads, num_seqs - first_seq): causal attention of BLOCK_M new tokens of
+    one sequence (first_seq onwards) and head over that sequence's cached keys (its earlier tokens
+    and this step's). TABLE_W > 0
     (a power of two >= table_width, the block tables' width): the sequence's block-table row is
     loaded once, before the loop; a load of it per tile sits on each tile's address chain, which
     cost 6-8% of the kernel's time on an H100 (NOTES.md, 2026-11-26, thirteenth session).
@@ -93,7 +94,7 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_sca
     program does that to its tile (qk_norm_rope's arithmetic, at the query's position in its
     sequence), so q makes no round trip through memory before attention."""
     pdl_start(PDL)
-    pid_m, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_m, head, seq = tl.program_id(0), tl.program_id(1), first_seq + tl.program_id(2)
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     if pid_m * BLOCK_M >= q_len:
