@@ -86,10 +86,10 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_sca
                              TABLE_W: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     """Grid (q tiles, num_heads, num_seqs - first_seq): causal attention of BLOCK_M new tokens of
     one sequence (first_seq onwards) and head over that sequence's cached keys (its earlier tokens
-    and this step's). TABLE_W > 0
-    (a power of two >= table_width, the block tables' width): the sequence's block-table row is
-    loaded once, before the loop; a load of it per tile sits on each tile's address chain, which
-    cost 6-8% of the kernel's time on an H100 (NOTES.md, 2026-11-26, thirteenth session).
+    and this step's). TABLE_W > 0 (a power of two >= table_width, the block tables' width): the
+    sequence's block-table row is loaded once, before the loop; a load of it per tile sits on each
+    tile's address chain, which cost 6-8% of the kernel's time on an H100 (NOTES.md, 2026-11-26,
+    thirteenth session).
     With ROPE, q is this step's projection, not yet normed (NORM: q_weight) or rotated: the
     program does that to its tile (qk_norm_rope's arithmetic, at the query's position in its
     sequence), so q makes no round trip through memory before attention."""
