@@ -3,17 +3,15 @@ import functools
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.layers.attention.base import AttentionBackend
 from nanovllm.layers.attention.triton_kernels import (LOG2E, decode_attention_kernel, prefill_attention_kernel,
                                                       reduce_splits_kernel)
-from nanovllm.layers.pdl import pdl_args
+from nanovllm.layers.pdl import hopper, pdl_args
 from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope, rope_store_kv
 
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, DECODE_BLOCK_N = 64, 64, 64
-# block-table rows up to this wide are loaded once per prefill program, longer ones entry by entry in
-# its loop. Decode programs read no faster with the row loaded once (H100, NOTES.md 2026-11-26).
-PREFILL_MAX_TABLE_W = 256
 # A mixed step's first sequences with one new token each (the decoding ones) go to the decode kernel
 # from this many on; below, the prefill kernel takes them with the rest (H100, a step of 16,384 tokens,
 # us per layer, one kernel -> decode + prefill kernels: 32 of them 394.8 -> 399.5, 64 477.8 -> 474.3,
@@ -38,7 +36,7 @@ def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: tuple |
 
 def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale, out=None,
                       kv_scales=None, block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, num_warps=4, num_stages=3,
-                      new_q=None, first_seq=0):
+                      new_q=None, first_seq=0, tma=None):
     """Causal attention of the packed new tokens q: [T, num_heads, head_dim] (sequence i's at
     cu_seqlens_q[i]:cu_seqlens_q[i+1], the last ones of its context_lens[i] tokens, so at positions
     context_lens[i] - n .. context_lens[i] - 1) over the paged cache; kv_scales: (k_scales, v_scales)
@@ -46,21 +44,26 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
     qk_norm_rope takes them: q is then normed and rotated inside the kernel (not written). That saves
     q's read and write in qk_norm_rope_kernel: at 16 x 1024 tokens of Qwen3-0.6B on an H100 that
     kernel 110.6 -> 53.4 us, this one 236.5 -> 247.3 (NOTES.md, 2026-11-26, fourteenth session).
-    first_seq: sequences before it are left out (their rows of out not written)."""
+    first_seq: sequences before it are left out (their rows of out not written). tma: K/V tiles
+    through tensor descriptors (Hopper's TMA; None: where the device has it, and in Triton's
+    interpreter), else through pointers; caches that are not contiguous, or tiles that do not
+    divide the block size, take pointers either way."""
     out = torch.empty_like(q) if out is None else out
     num_heads, head_dim = q.size(1), q.size(2)
     grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, context_lens.size(0) - first_seq)
     caches, strides = _cache_args(k_cache, v_cache, kv_scales)
-    width = block_tables.size(1)
-    # the table row in registers when it is short (at least 16 wide: fewer compiled variants)
-    table_w = max(16, triton.next_power_of_2(width)) if width <= PREFILL_MAX_TABLE_W else 0
+    if tma is None:  # Hopper's copy engine, or Triton's interpreter on the CPU
+        tma = hopper(q.device) or q.device.type == "cpu"
+    tma = tma and k_cache.size(1) % block_n == 0 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    descs = [TensorDescriptor.from_tensor(c.view(-1, c.size(2) * head_dim), [block_n, head_dim])
+             for c in (k_cache, v_cache)] if tma else (q, q)
     cos_sin, q_weight, eps = new_q or (q, None, 0.0)
     prefill_attention_kernel[grid](
-        q, *caches, out, cu_seqlens_q, context_lens, block_tables, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0), width, first_seq,
-        cos_sin, q if q_weight is None else q_weight, eps,
+        q, *caches, *descs, out, cu_seqlens_q, context_lens, block_tables, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
+        block_tables.size(1), first_seq, cos_sin, q if q_weight is None else q_weight, eps,
         GROUP=num_heads // k_cache.size(2), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.size(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, SCALED=kv_scales is not None, TABLE_W=table_w, ROPE=new_q is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, SCALED=kv_scales is not None, TMA=tma, ROPE=new_q is not None,
         NORM=q_weight is not None, num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device))
     return out
 

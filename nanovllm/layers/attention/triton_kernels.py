@@ -25,19 +25,14 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, kv_head, n0,
                  in_range, valid, offs_d, scale_log2, BLOCK_SIZE: tl.constexpr, stride_kb, stride_kt, stride_kh,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr, MASKED: tl.constexpr = True,
-                 table_row=0, TABLE_W: tl.constexpr = 0):
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr, MASKED: tl.constexpr = True):
     """Fold one tile of keys (positions n0 + [0, BLOCK_N), n0 a multiple of BLOCK_N, loaded where
     in_range [N]; `valid` [M, N] says which query may see which key) into the running (acc, m, l)
     of the queries q [M, D] (fp16 when SCALED, unless float32). Not MASKED: every query sees every
-    key of the tile (in_range all true, valid unused), so no masks and no row without a key.
-    TABLE_W > 0: table_row [TABLE_W] holds the sequence's block-table row, loaded before the loop."""
+    key of the tile (in_range all true, valid unused), so no masks and no row without a key."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if BLOCK_SIZE % BLOCK_N == 0:  # the tile lies in one block
-        if TABLE_W > 0:  # no load between the loop counter and the tile's address
-            block = tl.sum(tl.where(tl.arange(0, TABLE_W) == n0 // BLOCK_SIZE, table_row, 0)).to(tl.int64)
-        else:
-            block = tl.load(table_ptr + n0 // BLOCK_SIZE).to(tl.int64)
+        block = tl.load(table_ptr + n0 // BLOCK_SIZE).to(tl.int64)
         rows = block * stride_kb + kv_head * stride_kh + (n0 % BLOCK_SIZE + tl.arange(0, BLOCK_N)) * stride_kt
     else:
         block = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
@@ -48,9 +43,47 @@ def _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_pt
     else:
         k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :])
         v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :])
+    k_scale, v_scale = 1.0, 1.0
     if SCALED:  # contiguous caches: a head vector's scale sits at its row / HEAD_DIM
         k_scale = tl.load(k_scale_ptr + rows // HEAD_DIM, mask=in_range, other=0.0)
         v_scale = tl.load(v_scale_ptr + rows // HEAD_DIM, mask=in_range, other=0.0)
+    return _fold(q, k, v, k_scale, v_scale, acc, m, l, valid, scale_log2, SCALED, MASKED)
+
+
+@triton.jit
+def _block_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_desc, v_desc, block, n0, kv_head, offs_d,
+                BLOCK_SIZE: tl.constexpr, stride_kb, stride_kt, stride_kh, HEAD_DIM: tl.constexpr,
+                BLOCK_N: tl.constexpr, SCALED: tl.constexpr, TMA: tl.constexpr):
+    """Keys and values [BLOCK_N, HEAD_DIM] at positions n0 + [0, BLOCK_N) of a tile that lies in
+    physical block `block` (and their scales when SCALED): through the tensor descriptors k_desc,
+    v_desc (TMA: the caches as [num_blocks * BLOCK_SIZE, num_kv_heads * HEAD_DIM]) or pointers."""
+    rows = block.to(tl.int64) * stride_kb + kv_head * stride_kh + (n0 % BLOCK_SIZE + tl.arange(0, BLOCK_N)) * stride_kt
+    if TMA:
+        k = k_desc.load([block * BLOCK_SIZE + n0 % BLOCK_SIZE, kv_head * HEAD_DIM])
+        v = v_desc.load([block * BLOCK_SIZE + n0 % BLOCK_SIZE, kv_head * HEAD_DIM])
+    else:
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :])
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :])
+    k_scale, v_scale = 1.0, 1.0
+    if SCALED:
+        k_scale = tl.load(k_scale_ptr + rows // HEAD_DIM)
+        v_scale = tl.load(v_scale_ptr + rows // HEAD_DIM)
+    return k, v, k_scale, v_scale
+
+
+@triton.jit
+def _next_block(table_ptr, n0, table_width, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The physical block of the tile after the one at n0, loaded a tile ahead of its use: a load
+    on a tile's own address chain stalls its pipelined K/V loads."""
+    ahead = (n0 + BLOCK_N) // BLOCK_SIZE
+    return tl.load(table_ptr + ahead, mask=ahead < table_width, other=0)
+
+
+@triton.jit
+def _fold(q, k, v, k_scale, v_scale, acc, m, l, valid, scale_log2, SCALED: tl.constexpr, MASKED: tl.constexpr):
+    """The online-softmax step of q [M, D] over keys k and values v [N, D] (float8 ones with their
+    per-key scales [N]): (acc, m, l) updated."""
+    if SCALED:  # K enters QK^T as it is, its scales applied to the scores
         s = tl.dot(q, tl.trans(k.to(q.dtype))) * (k_scale * scale_log2)[None, :]
     else:
         s = tl.dot(q, tl.trans(k)) * scale_log2
@@ -61,10 +94,11 @@ def _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_pt
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m - m_safe)
     l = l * alpha + tl.sum(p, 1)
-    if SCALED:
-        acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype))
+    acc = acc * alpha[:, None]
+    if SCALED:  # V's scales go into P's columns
+        acc = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), acc)
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, m_new, l
 
 
@@ -78,18 +112,21 @@ def _split_len(ctx_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 # The block-table width changes from step to step: keep it out of Triton's specialisation
 # (on 1 and on multiples of 16), which would otherwise compile new variants mid-run.
 @triton.jit(do_not_specialize=["stride_bt", "table_width", "first_seq"])
-def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, o_ptr, cu_q_ptr,
-                             context_lens_ptr, block_tables_ptr, scale_log2, stride_qt, stride_qh, stride_ot,
-                             stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, table_width, first_seq, cos_sin_ptr,
-                             q_weight_ptr, eps, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr,
-                             TABLE_W: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_desc, v_desc, o_ptr,
+                             cu_q_ptr, context_lens_ptr, block_tables_ptr, scale_log2, stride_qt, stride_qh,
+                             stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, table_width, first_seq,
+                             cos_sin_ptr, q_weight_ptr, eps, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             SCALED: tl.constexpr, TMA: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
+                             PDL: tl.constexpr):
     """Grid (q tiles, num_heads, num_seqs - first_seq): causal attention of BLOCK_M new tokens of
     one sequence (first_seq onwards) and head over that sequence's cached keys (its earlier tokens
-    and this step's). TABLE_W > 0 (a power of two >= table_width, the block tables' width): the
-    sequence's block-table row is loaded once, before the loop; a load of it per tile sits on each
-    tile's address chain, which cost 6-8% of the kernel's time on an H100 (NOTES.md, 2026-11-26,
-    thirteenth session).
+    and this step's). Where BLOCK_N divides BLOCK_SIZE, the unmasked tiles' block indices are
+    loaded one tile ahead (a load on a tile's own address chain stalls its pipelined K/V loads:
+    245 -> 207 us in a test kernel) and with TMA their K/V come through the tensor descriptors
+    k_desc, v_desc. This kernel on an H100, Qwen3-0.6B's heads, q rotated inside, bf16: 16 x 1024
+    tokens 243.5 us with the block-table row in registers (before), 242.6 with the index a tile
+    ahead, 224.6 with TMA; 8 x 2048 403.9, 412.5, 375.1 (NOTES.md, 2026-11-26, fifteenth session).
     With ROPE, q is this step's projection, not yet normed (NORM: q_weight) or rotated: the
     program does that to its tile (qk_norm_rope's arithmetic, at the query's position in its
     sequence), so q makes no round trip through memory before attention."""
@@ -121,25 +158,31 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_sca
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     table_ptr = block_tables_ptr + seq * stride_bt
-    table_row = 0
-    if TABLE_W > 0:
-        table_row = tl.load(table_ptr + tl.arange(0, TABLE_W), mask=tl.arange(0, TABLE_W) < table_width, other=0)
     end = tl.minimum(ctx_len, ctx_len - q_len + (pid_m + 1) * BLOCK_M)
     # tiles wholly at or before the tile's first query need no mask (FlashAttention-2's split of
     # the causal loop); the rest, up to the diagonal, are masked
     unmasked_end = (ctx_len - q_len + pid_m * BLOCK_M + 1) // BLOCK_N * BLOCK_N
-    every_key = tl.full([BLOCK_N], True, tl.int1)
-    for n0 in range(0, unmasked_end, BLOCK_N):
-        acc, m, l = _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr,
-                                 head // GROUP, n0, every_key, None, offs_d, scale_log2, BLOCK_SIZE, stride_kb,
-                                 stride_kt, stride_kh, HEAD_DIM, BLOCK_N, SCALED, False, table_row, TABLE_W)
-    for n0 in range(unmasked_end, end, BLOCK_N):
+    if BLOCK_SIZE % BLOCK_N == 0:  # tiles in one block each: the next tile's block index loaded ahead
+        next_block = tl.load(table_ptr)
+        for n0 in range(0, unmasked_end, BLOCK_N):
+            block, next_block = next_block, _next_block(table_ptr, n0, table_width, BLOCK_SIZE, BLOCK_N)
+            k, v, k_scale, v_scale = _block_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_desc, v_desc,
+                                                 block, n0, head // GROUP, offs_d, BLOCK_SIZE, stride_kb, stride_kt,
+                                                 stride_kh, HEAD_DIM, BLOCK_N, SCALED, TMA)
+            acc, m, l = _fold(q, k, v, k_scale, v_scale, acc, m, l, None, scale_log2, SCALED, False)
+    else:
+        every_key = tl.full([BLOCK_N], True, tl.int1)
+        for n0 in range(0, unmasked_end, BLOCK_N):
+            acc, m, l = _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr,
+                                     head // GROUP, n0, every_key, None, offs_d, scale_log2, BLOCK_SIZE, stride_kb,
+                                     stride_kt, stride_kh, HEAD_DIM, BLOCK_N, SCALED, False)
+    for n0 in range(unmasked_end, end, BLOCK_N):  # up to the diagonal: masked, the block read per tile
         offs_n = n0 + tl.arange(0, BLOCK_N)
         in_range = offs_n < end
         valid = (offs_n[None, :] <= q_pos[:, None]) & in_range[None, :]
         acc, m, l = _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr,
                                  head // GROUP, n0, in_range, valid, offs_d, scale_log2, BLOCK_SIZE, stride_kb,
-                                 stride_kt, stride_kh, HEAD_DIM, BLOCK_N, SCALED, True, table_row, TABLE_W)
+                                 stride_kt, stride_kh, HEAD_DIM, BLOCK_N, SCALED, True)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(o_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
