@@ -46,15 +46,16 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
     kernel 110.6 -> 53.4 us, this one 236.5 -> 247.3 (NOTES.md, 2026-11-26, fourteenth session).
     first_seq: sequences before it are left out (their rows of out not written). tma: K/V tiles
     through tensor descriptors (Hopper's TMA; None: where the device has it, and in Triton's
-    interpreter), else through pointers; caches that are not contiguous, or tiles that do not
-    divide the block size, take pointers either way."""
+    interpreter), else through pointers; caches that are not contiguous, head vectors under 16
+    bytes, or tiles that do not divide the block size take pointers either way."""
     out = torch.empty_like(q) if out is None else out
     num_heads, head_dim = q.size(1), q.size(2)
     grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, context_lens.size(0) - first_seq)
     caches, strides = _cache_args(k_cache, v_cache, kv_scales)
     if tma is None:  # Hopper's copy engine, or Triton's interpreter on the CPU
         tma = hopper(q.device) or q.device.type == "cpu"
-    tma = tma and k_cache.size(1) % block_n == 0 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    tma = (tma and k_cache.size(1) % block_n == 0 and k_cache.is_contiguous() and v_cache.is_contiguous()
+           and head_dim * k_cache.element_size() >= 16)  # a TMA box row holds 16 bytes at least
     descs = [TensorDescriptor.from_tensor(c.view(-1, c.size(2) * head_dim), [block_n, head_dim])
              for c in (k_cache, v_cache)] if tma else (q, q)
     cos_sin, q_weight, eps = new_q or (q, None, 0.0)
