@@ -41,7 +41,8 @@ def make_cache(context_lens, block_size, num_kv_heads, head_dim, dtype, gen, fp8
     v = torch.randn(shape, generator=gen).to(DEVICE, dtype)
     stale = torch.ones(num_blocks * block_size, dtype=torch.bool)
     for i, n in enumerate(context_lens):
-        stale[(tables[i, :blocks_per_seq[i]].long()[:, None] * block_size + torch.arange(block_size)).flatten()[:n]] = False
+        slots = tables[i, :blocks_per_seq[i]].long()[:, None] * block_size + torch.arange(block_size)
+        stale[slots.flatten()[:n]] = False
     stale = stale.to(DEVICE)
     if not fp8:
         for x in (k, v):
@@ -86,8 +87,8 @@ def prefill_batch(dtype, block_size, group, head_dim, fp8, gen):
 
 
 def check_prefill(q, ref, k, v, tables, kv_scales, cu_q, lens, **kwargs):
-    """prefill_attention at two tilings (16: block-aligned tiles, 64: not where blocks are 16 wide)
-    into NaN-poisoned outputs, against ref."""
+    """prefill_attention at two tilings into NaN-poisoned outputs, against ref: 16-wide tiles lie
+    inside a block, 64-wide ones only in blocks of 64 or more (else each row is gathered)."""
     max_q = max(n for _, n in PREFILL_SHAPES)
     for block_m, block_n in ((64, 64), (16, 16)):
         out = torch.full_like(q, float("nan"))
