@@ -73,11 +73,12 @@ def workload(args):
     return prompts, max_tokens
 
 
-def floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, kv_cache_dtype, bandwidth, flops,
-                  tp=1, replicas=1, n=1):
+def floor_seconds(hf_config, weights, prompts, max_tokens, kv_cache_dtype, bandwidth, flops, tp=1, replicas=1, n=1):
     """Roofline lower bound in seconds: per step the larger of bytes / bandwidth and FLOPs / matmul
-    rate, summed over the steps of an ideal schedule. One prefill step holds every prompt (weights
-    read once, the prompts' KV written; 2 FLOPs per weight per token plus causal attention), then
+    rate, summed over the steps of an ideal schedule. weights: (bytes, matmul parameters, LM head
+    parameters) as weights_read_per_step gives them. One prefill step holds every prompt (weights
+    read once, the prompts' KV written; 2 FLOPs per weight per token, the LM head's for one token
+    per prompt, whose logits alone are needed, plus causal attention), then
     decode step t = 1 .. max(max_tokens) - 1 runs every completion that still has a token to make
     (weights read, each completion's KV read, one token's KV written; 2 FLOPs per weight per token
     plus attention over its context). n completions per prompt each read their prompt's KV, which
@@ -85,6 +86,7 @@ def floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, kv
     replicas of every step's tokens; tensor parallelism splits a replica's bytes and FLOPs over tp
     GPUs. bandwidth (bytes/s) and flops (FLOP/s) are one GPU's. kv_cache_dtype: "auto" (bf16 K/V) or
     an fp8 name (one byte per value and a float32 scale per head vector)."""
+    param_bytes, matmul_params, head_params = weights
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     layers = hf_config.num_hidden_layers
     # bf16, or float8 with a float32 scale per head vector
@@ -96,8 +98,8 @@ def floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, kv
         return max((param_bytes + kv_bytes / replicas) / (tp * bandwidth), flop / (replicas * tp * flops))
 
     lens = [len(p) for p in prompts]
-    total = step(sum(lens) * kv_per_token,
-                 2 * matmul_params * sum(lens) + attention_flops * sum(m * (m + 1) // 2 for m in lens))
+    total = step(sum(lens) * kv_per_token, 2 * (matmul_params - head_params) * sum(lens) + 2 * head_params * len(lens)
+                 + attention_flops * sum(m * (m + 1) // 2 for m in lens))
     for t in range(1, max(max_tokens)):
         live = [m for m, out in zip(lens, max_tokens) if out > t]
         batch, context = n * len(live), n * (sum(live) + t * len(live))  # tokens made, KV tokens attended
@@ -105,10 +107,11 @@ def floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, kv
     return total
 
 
-def weights_read_per_step(hf_config, quantization: str | None = None) -> tuple[int, int]:
-    """(bytes, matmul parameters) of the weights a forward reads in full: all but an untied input
-    embedding, of which a step gathers a few rows (a tied one is the LM head); bf16, or with
-    quantization="fp8" the linear layers' weights one byte each plus a float32 scale per row."""
+def weights_read_per_step(hf_config, quantization: str | None = None) -> tuple[int, int, int]:
+    """(bytes, matmul parameters, LM head parameters) of the weights a forward reads in full: all
+    but an untied input embedding, of which a step gathers a few rows (a tied one is the LM head);
+    bf16, or with quantization="fp8" the linear layers' weights one byte each plus a float32 scale
+    per row."""
     from nanovllm.layers.linear import LinearBase
     with torch.device("meta"):
         model = model_class(hf_config)(hf_config)
@@ -119,7 +122,7 @@ def weights_read_per_step(hf_config, quantization: str | None = None) -> tuple[i
         fp8 = {}
     params = [t for t in {id(t): t for t in model.parameters()}.values() if id(t) not in skip]
     nbytes = sum(t.numel() + 4 * fp8[id(t)] if id(t) in fp8 else 2 * t.numel() for t in params)
-    return nbytes, sum(t.numel() for t in params if t.dim() == 2)
+    return nbytes, sum(t.numel() for t in params if t.dim() == 2), model.lm_head.weight.numel()
 
 
 def run_nanovllm(args, prompts, max_tokens):
@@ -307,10 +310,10 @@ def main():
     run = run_nanovllm if args.engine == "nanovllm" else run_transformers
     seconds, details = run(args, prompts, max_tokens)
     hf_config = read_hf_config(*resolve_path(args.model, args.load_format))
-    param_bytes, matmul_params = weights_read_per_step(hf_config, args.quantization)
     num_gpus = args.tensor_parallel_size * args.data_parallel_size
-    floor = floor_seconds(hf_config, param_bytes, matmul_params, prompts, max_tokens, args.kv_cache_dtype,
-                          bandwidth, flops, args.tensor_parallel_size, args.data_parallel_size, args.n)
+    floor = floor_seconds(hf_config, weights_read_per_step(hf_config, args.quantization), prompts, max_tokens,
+                          args.kv_cache_dtype, bandwidth, flops, args.tensor_parallel_size, args.data_parallel_size,
+                          args.n)
     output_tokens = args.n * sum(max_tokens)
     result = {
         "engine": args.engine, "model": args.model, "device": torch.cuda.get_device_name(),
