@@ -71,17 +71,21 @@ CASES = GPU_CASES if CUDA else CPU_CASES
 
 # (cached prefix, new tokens) per sequence: plain prefill, prefix hits, chunks, single decode tokens
 PREFILL_SHAPES = [(0, 77), (130, 35), (0, 1), (300, 1), (17, 200)] if CUDA else [(0, 11), (9, 5), (0, 1), (40, 3)]
+# a mixed step's decoding sequences, which the scheduler puts first (prefill_attention's num_decodes)
+DECODE_SHAPES = [(700, 1), (0, 1), (64, 1)] if CUDA else [(40, 1), (0, 1), (16, 1)]
 
 
-def prefill_batch(dtype, block_size, group, head_dim, fp8, gen):
-    """A step of PREFILL_SHAPES over 2 KV heads: q [T, 2 * group, head_dim], the caches (make_cache's
-    k, v, block_tables, kv_scales), cu_seqlens_q, context_lens and the tokens' positions [T]."""
-    context_lens = [p + n for p, n in PREFILL_SHAPES]
+def prefill_batch(dtype, block_size, group, head_dim, fp8, gen, num_decodes=0):
+    """A step of the first num_decodes DECODE_SHAPES, then PREFILL_SHAPES, over 2 KV heads: q [T, 2 *
+    group, head_dim], the caches (make_cache's k, v, block_tables, kv_scales), cu_seqlens_q,
+    context_lens and the tokens' positions [T]."""
+    shapes = DECODE_SHAPES[:num_decodes] + PREFILL_SHAPES
+    context_lens = [p + n for p, n in shapes]
     k, v, tables, kv_scales = make_cache(context_lens, block_size, 2, head_dim, dtype, gen, fp8)
-    cu_q = torch.zeros(len(PREFILL_SHAPES) + 1, dtype=torch.int32)
-    cu_q[1:] = torch.tensor([n for _, n in PREFILL_SHAPES]).cumsum(0)
+    cu_q = torch.zeros(len(shapes) + 1, dtype=torch.int32)
+    cu_q[1:] = torch.tensor([n for _, n in shapes]).cumsum(0)
     q = torch.randn(int(cu_q[-1]), 2 * group, head_dim, generator=gen).to(DEVICE, dtype)
-    positions = torch.cat([torch.arange(p, p + n) for p, n in PREFILL_SHAPES]).to(DEVICE)
+    positions = torch.cat([torch.arange(p, p + n) for p, n in shapes]).to(DEVICE)
     return (q, k, v, tables, kv_scales, cu_q.to(DEVICE), torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
             positions)
 
@@ -97,38 +101,44 @@ def check_prefill(q, ref, k, v, tables, kv_scales, cu_q, lens, **kwargs):
         assert rel_err(out, ref) < TOL[q.dtype], f"block_m={block_m}, block_n={block_n}"
 
 
-@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("tma,num_decodes", [(True, 0), (False, 0), (True, 3)])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("dtype,block_size,group,head_dim", CASES)
-def test_prefill_kernel(dtype, block_size, group, head_dim, fp8, tma):
-    """Block-aligned tiles through tensor descriptors (TMA) or pointers give the same attention."""
+def test_prefill_kernel(dtype, block_size, group, head_dim, fp8, tma, num_decodes):
+    """Block-aligned tiles through tensor descriptors (TMA) or pointers give the same attention; so
+    do a mixed step's leading decoding sequences as decode programs (num_decodes)."""
     gen = torch.Generator().manual_seed(hash((block_size, group, head_dim)) % 2**31)
-    q, k, v, tables, kv_scales, cu_q, lens, _ = prefill_batch(dtype, block_size, group, head_dim, fp8, gen)
+    q, k, v, tables, kv_scales, cu_q, lens, _ = prefill_batch(dtype, block_size, group, head_dim, fp8, gen,
+                                                              num_decodes)
     ref = reference(q, k, v, cu_q, lens, tables, head_dim ** -0.5, kv_scales)
-    check_prefill(q, ref, k, v, tables, kv_scales, cu_q, lens, tma=tma)
+    check_prefill(q, ref, k, v, tables, kv_scales, cu_q, lens, tma=tma, num_decodes=num_decodes)
 
 
 class _RopeCfg:
     rope_theta = 1e6
 
 
+@pytest.mark.parametrize("num_decodes", [0, 3])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("dtype,block_size,group,head_dim", CASES[:4])
-def test_prefill_kernel_rotates_q_inside(dtype, block_size, group, head_dim, norm, fp8):
-    """new_q: the kernel norms and rotates its q tiles at each query's position (its index in the
-    sequence); the output must be the float32 attention with qk_norm_rope's q, and q not written."""
+def test_prefill_kernel_rotates_q_inside(dtype, block_size, group, head_dim, norm, fp8, num_decodes):
+    """new_q: the kernel norms and rotates its q tiles (and decode programs their heads) at each
+    query's position (its index in the sequence); the output must be the float32 attention with
+    qk_norm_rope's q, and q not written."""
     from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
     gen = torch.Generator().manual_seed(group * head_dim + 2 * norm + fp8)
-    q, k, v, tables, kv_scales, cu_q, lens, positions = prefill_batch(dtype, block_size, group, head_dim, fp8, gen)
+    q, k, v, tables, kv_scales, cu_q, lens, positions = prefill_batch(dtype, block_size, group, head_dim, fp8, gen,
+                                                                      num_decodes)
     rope = RotaryEmbedding(_RopeCfg(), head_dim, 4096).to(DEVICE)
     weights = tuple(torch.randn(head_dim, generator=gen).to(DEVICE, dtype) for _ in range(2)) if norm else (None, None)
     q_ref = q.clone()
     qk_norm_rope(positions, q_ref, torch.zeros_like(q_ref[:, :2]), rope.cos_sin_cache, *weights, 1e-6)
     ref = reference(q_ref, k, v, cu_q, lens, tables, head_dim ** -0.5, kv_scales)
     q_before = q.clone()
-    check_prefill(q, ref, k, v, tables, kv_scales, cu_q, lens, new_q=(rope.cos_sin_cache, weights[0], 1e-6))
+    check_prefill(q, ref, k, v, tables, kv_scales, cu_q, lens, new_q=(rope.cos_sin_cache, weights[0], 1e-6),
+                  num_decodes=num_decodes)
     assert torch.equal(q, q_before)
 
 

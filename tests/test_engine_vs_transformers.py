@@ -25,25 +25,25 @@ def test_batch_of_mixed_lengths(tiny_model):
     assert len({tuple(o.token_ids) for o in outs}) > 1  # the model is not degenerate
 
 
-@pytest.mark.parametrize("split_decodes_from", [None, 1])
-def test_triton_backend_in_the_interpreter(tiny_model, split_decodes_from, monkeypatch):
+@pytest.mark.parametrize("decode_programs_from", [None, 1])
+def test_triton_backend_in_the_interpreter(tiny_model, decode_programs_from, monkeypatch):
     """The Triton kernels (fused norm + rope + K/V store, paged prefill and decode attention) through
     the whole engine, with chunked prefill and a prefix hit, in Triton's interpreter on CPU; with
-    split_decodes_from 1, mixed steps send their decoding sequences to the decode kernel."""
+    decode_programs_from 1, mixed steps give their decoding sequences decode programs."""
     from nanovllm.layers.attention import triton_backend
-    if split_decodes_from is not None:
-        monkeypatch.setattr(triton_backend, "SPLIT_DECODES_FROM", split_decodes_from)
-    first_seqs, prefill_attention = [], triton_backend.prefill_attention
+    if decode_programs_from is not None:
+        monkeypatch.setattr(triton_backend, "DECODE_PROGRAMS_FROM", decode_programs_from)
+    seen, prefill_attention = [], triton_backend.prefill_attention
     monkeypatch.setattr(triton_backend, "prefill_attention",
-                        lambda *a, first_seq=0, **kw: first_seqs.append(first_seq) or prefill_attention(
-                            *a, first_seq=first_seq, **kw))
+                        lambda *a, num_decodes=0, **kw: seen.append(num_decodes) or prefill_attention(
+                            *a, num_decodes=num_decodes, **kw))
     path, hf_model = tiny_model
     llm = LLM(path, kvcache_block_size=16, max_num_batched_tokens=24, attention_backend="triton", device="cpu")
     assert llm.engine.model_runner.backend.name == "triton"
     shared = random_prompts([33], seed=5)[0]
     check_against_hf(llm, hf_model, [shared + [1], *random_prompts([5, 40], seed=6)])
     assert check_against_hf(llm, hf_model, [shared + [2, 3]])[0].num_cached_tokens == 32
-    assert (max(first_seqs) > 0) == (split_decodes_from is not None)  # mixed steps with decoding sequences ran
+    assert (max(seen) > 0) == (decode_programs_from is not None)  # mixed steps with decoding sequences ran
 
 
 def test_step_inputs_upload_aligned(tiny_qwen3):

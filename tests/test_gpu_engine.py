@@ -47,18 +47,18 @@ def hf_greedy(model, prompt):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("engine_args,split_decodes_from", [
+@pytest.mark.parametrize("engine_args,decode_programs_from", [
     (dict(), None),
     (dict(enforce_eager=True), None),
     (dict(max_num_batched_tokens=512, kvcache_block_size=16), None),
-    (dict(max_num_batched_tokens=512, kvcache_block_size=16), 1),  # mixed steps' decoding rows: decode kernel
+    (dict(max_num_batched_tokens=512, kvcache_block_size=16), 1),  # mixed steps' decoding rows: decode programs
     (dict(attention_backend="torch", enforce_eager=True), None),
-], ids=["graphs", "eager", "chunked-block16", "chunked-split-decodes", "torch-backend"])
-def test_greedy_matches_transformers(qwen3_06b, engine_args, split_decodes_from, monkeypatch):
+], ids=["graphs", "eager", "chunked-block16", "chunked-decode-programs", "torch-backend"])
+def test_greedy_matches_transformers(qwen3_06b, engine_args, decode_programs_from, monkeypatch):
     from nanovllm import LLM, SamplingParams
     from nanovllm.layers.attention import triton_backend
-    if split_decodes_from is not None:
-        monkeypatch.setattr(triton_backend, "SPLIT_DECODES_FROM", split_decodes_from)
+    if decode_programs_from is not None:
+        monkeypatch.setattr(triton_backend, "DECODE_PROGRAMS_FROM", decode_programs_from)
     path, hf_model, exact_model = qwen3_06b
     llm = LLM(path, max_model_len=2048, gpu_memory_utilization=0.5, **engine_args)
     ps = prompts()

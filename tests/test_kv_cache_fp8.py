@@ -22,18 +22,18 @@ def test_the_fp8_pool_holds_more_tokens(tiny_qwen3):
     assert pools[1].engine.model_runner.kv_cache.scales.shape == (2, 2, blocks[1], 16, 2)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "triton-split"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton-decode-programs"])
 def test_fp8_tokens_do_not_depend_on_scheduling(tiny_qwen3, backend, monkeypatch):
     """Each prompt alone in a roomy engine gives the reference; then all together through chunked
     prefill (20-token budget), prefix-cache hits, preemption (9 blocks) and n=2 (the shared partial
     block copied with its scales) must give the same tokens. The Triton backend must give the
-    torch backend's reference tokens; "triton-split" also sends mixed steps' decoding sequences to
-    the decode path, with their float8 store outside the decode kernel. (Against the float32 cache
-    these tiny random models part after a few tokens, from near-ties of their logits; accuracy is
-    measured on real weights.)"""
-    if backend == "triton-split":
+    torch backend's reference tokens; "triton-decode-programs" also gives mixed steps' decoding
+    sequences decode programs in prefill attention, and decode steps their float8 store outside the
+    decode kernel. (Against the float32 cache these tiny random models part after a few tokens,
+    from near-ties of their logits; accuracy is measured on real weights.)"""
+    if backend == "triton-decode-programs":
         from nanovllm.layers.attention import triton_backend
-        monkeypatch.setattr(triton_backend, "SPLIT_DECODES_FROM", 1)
+        monkeypatch.setattr(triton_backend, "DECODE_PROGRAMS_FROM", 1)
         monkeypatch.setattr(triton_backend, "FUSED_FP8_MAX_SEQS", 0)
         backend = "triton"
     path, _ = tiny_qwen3

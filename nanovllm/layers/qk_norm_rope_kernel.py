@@ -61,19 +61,18 @@ def store_heads(cache_ptr, scale_ptr, row, scale_offs, mask, x1, x2, HALF: tl.co
     tl.store(cache_ptr + row + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask[:, None])
 
 
-# first_token varies from step to step: not a specialisation (1, multiples of 16) to compile mid-run
-@triton.jit(do_not_specialize=["first_token"])
+@triton.jit
 def qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, stride_q, stride_k, eps,
-                        v_ptr, stride_v, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr, first_token,
+                        v_ptr, stride_v, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
                         NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, Q_PAD: tl.constexpr,
                         K_PAD: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
                         SCALED: tl.constexpr, IN_PLACE: tl.constexpr, PDL: tl.constexpr):
-    """Grid (num_tokens - first_token,): tokens first_token onwards. With STORE, also k (rotated)
+    """Grid (num_tokens,). With STORE, also k (rotated)
     and v into the caches at the token's slot (slot_mapping; -1 skips): the cache row of a slot is
     its num_kv_heads * head_dim values, its scales (SCALED) num_kv_heads floats. Not IN_PLACE: q
     untouched, k only stored."""
     pdl_start(PDL)
-    t = first_token + tl.program_id(0)
+    t = tl.program_id(0)
     pos = tl.load(positions_ptr + t)
     d = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + d)
@@ -112,15 +111,13 @@ def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
 
 
 def rope_store_kv(positions: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, k_weight: torch.Tensor | None,
-                  eps: float, kv_cache: tuple, first_token: int = 0):
+                  eps: float, kv_cache: tuple):
     """qk_norm_rope's store of the normed, rotated k and of v into the cache (kv_cache as there), with
-    k itself left as it is and no q: for attention kernels that norm and rotate q themselves. Tokens
-    before first_token are left out (an offset, not a slice: a slice's pointers may lose the 16-byte
-    alignment Triton specialises on, and compile a new variant mid-run)."""
-    _launch(positions, k, k, cos_sin_cache, k_weight, k_weight, eps, kv_cache, in_place=False, first_token=first_token)
+    k itself left as it is and no q: for attention kernels that norm and rotate q themselves."""
+    _launch(positions, k, k, cos_sin_cache, k_weight, k_weight, eps, kv_cache, in_place=False)
 
 
-def _launch(positions, q, k, cos_sin_cache, q_weight, k_weight, eps, kv_cache, in_place, first_token=0):
+def _launch(positions, q, k, cos_sin_cache, q_weight, k_weight, eps, kv_cache, in_place):
     assert q.stride(2) == k.stride(2) == 1 and q.stride(1) == k.stride(1) == q.size(2)
     norm, store = k_weight is not None, kv_cache is not None
     v, k_cache, v_cache, k_scales, v_scales, slots = kv_cache if store else (k, k, k, None, None, positions)
@@ -128,9 +125,9 @@ def _launch(positions, q, k, cos_sin_cache, q_weight, k_weight, eps, kv_cache, i
     assert not store or (v.stride(2) == 1 and v.stride(1) == v.size(2) and k_cache.is_contiguous()
                          and v_cache.is_contiguous() and k_cache.shape[2:] == k.shape[1:])
     assert not scaled or (k_scales.is_contiguous() and v_scales.is_contiguous())
-    qk_norm_rope_kernel[(k.size(0) - first_token,)](
+    qk_norm_rope_kernel[(k.size(0),)](
         q, k, positions, cos_sin_cache, q_weight if norm else q, k_weight if norm else k, q.stride(0), k.stride(0), eps,
-        v, v.stride(0), k_cache, v_cache, k_scales if scaled else k, v_scales if scaled else k, slots, first_token,
+        v, v.stride(0), k_cache, v_cache, k_scales if scaled else k, v_scales if scaled else k, slots,
         NUM_Q_HEADS=q.size(1), NUM_K_HEADS=k.size(1), Q_PAD=triton.next_power_of_2(q.size(1)),
         K_PAD=triton.next_power_of_2(k.size(1)), HALF=k.size(2) // 2, NORM=norm, STORE=store, SCALED=scaled,
         IN_PLACE=in_place, num_warps=4, **pdl_args(k.device))

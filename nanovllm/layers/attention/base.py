@@ -5,7 +5,6 @@ To add a backend, subclass AttentionBackend, override `attend` (or `forward`, to
 rotary embedding with the K/V store; `build_metadata` for metadata of its own), and name it in
 `nanovllm.layers.attention.BACKENDS`.
 """
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,13 +33,6 @@ class AttentionMetadata:
     max_seqlen_q: int
     is_decode: bool
     num_decodes: int = 0
-
-    @functools.cached_property
-    def decodes(self) -> "AttentionMetadata":
-        """The metadata of the first num_decodes sequences alone: a decode step's."""
-        d = self.num_decodes
-        return AttentionMetadata(self.positions[:d], self.slot_mapping[:d], self.cu_seqlens_q[:d + 1],
-                                 self.context_lens[:d], self.block_tables[:d], 1, True, d)
 
 
 class AttentionBackend:

@@ -12,11 +12,12 @@ from nanovllm.layers.pdl import hopper, pdl_args
 from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope, rope_store_kv
 
 PREFILL_BLOCK_M, PREFILL_BLOCK_N, DECODE_BLOCK_N = 64, 64, 64
-# A mixed step's first sequences with one new token each (the decoding ones) go to the decode kernel
-# from this many on; below, the prefill kernel takes them with the rest (H100, a step of 16,384 tokens,
-# us per layer, one kernel -> decode + prefill kernels: 32 of them 394.8 -> 399.5, 64 477.8 -> 474.3,
-# 128 612.6 -> 579.4, 200 818.2 -> 737.1; NOTES.md, 2026-11-26, fourteenth session).
-SPLIT_DECODES_FROM = 96
+# A mixed step's first sequences with one new token each (the decoding ones) get decode programs in
+# prefill attention's grid from this many on; below, 64-row q tiles like the others (H100, a step of
+# 16,384 tokens, decoding contexts 1000-2000, us per layer, q tiles -> decode programs: bf16 8 of them
+# 332.4 -> 337.8, 16 369.8 -> 366.6, 32 426.7 -> 386.3, 200 877.4 -> 638.0; float8 8 610.8 -> 593.5,
+# 200 1424.0 -> 868.5; NOTES.md, 2026-11-26, sixteenth session).
+DECODE_PROGRAMS_FROM = 16
 # A float8 cache's decode steps store the new token inside the attention kernel up to this many
 # sequences; beyond, every split program's float8 store and q rotation cost more than the kernel
 # they save (H100, Qwen3-0.6B, graph us separate -> fused: 1 sequence 902 -> 858, 8 1193 -> 1141,
@@ -36,7 +37,7 @@ def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: tuple |
 
 def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale, out=None,
                       kv_scales=None, block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, num_warps=4, num_stages=3,
-                      new_q=None, first_seq=0, tma=None):
+                      new_q=None, num_decodes=0, tma=None):
     """Causal attention of the packed new tokens q: [T, num_heads, head_dim] (sequence i's at
     cu_seqlens_q[i]:cu_seqlens_q[i+1], the last ones of its context_lens[i] tokens, so at positions
     context_lens[i] - n .. context_lens[i] - 1) over the paged cache; kv_scales: (k_scales, v_scales)
@@ -44,13 +45,16 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
     qk_norm_rope takes them: q is then normed and rotated inside the kernel (not written). That saves
     q's read and write in qk_norm_rope_kernel: at 16 x 1024 tokens of Qwen3-0.6B on an H100 that
     kernel 110.6 -> 53.4 us, this one 236.5 -> 247.3 (NOTES.md, 2026-11-26, fourteenth session).
-    first_seq: sequences before it are left out (their rows of out not written). tma: K/V tiles
+    num_decodes: the first num_decodes sequences have one new token each (so q rows 0 ..
+    num_decodes - 1) and get one program per KV head over their whole context, as the decode
+    kernel's (see prefill_attention_kernel), instead of a q tile per head. tma: K/V tiles
     through tensor descriptors (Hopper's TMA; None: where the device has it, and in Triton's
     interpreter), else through pointers; caches that are not contiguous, head vectors under 16
     bytes, or tiles that do not divide the block size take pointers either way."""
     out = torch.empty_like(q) if out is None else out
-    num_heads, head_dim = q.size(1), q.size(2)
-    grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, context_lens.size(0) - first_seq)
+    num_heads, head_dim, num_kv_heads = q.size(1), q.size(2), k_cache.size(2)
+    q_tiles = triton.cdiv(max_seqlen_q, block_m)
+    programs = q_tiles * num_heads * (context_lens.size(0) - num_decodes) + num_decodes * num_kv_heads
     caches, strides = _cache_args(k_cache, v_cache, kv_scales)
     if tma is None:  # Hopper's copy engine, or Triton's interpreter on the CPU
         tma = hopper(q.device) or q.device.type == "cpu"
@@ -59,13 +63,15 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
     descs = [TensorDescriptor.from_tensor(c.view(-1, c.size(2) * head_dim), [block_n, head_dim])
              for c in (k_cache, v_cache)] if tma else (q, q)
     cos_sin, q_weight, eps = new_q or (q, None, 0.0)
-    prefill_attention_kernel[grid](
+    prefill_attention_kernel[(programs,)](
         q, *caches, *descs, out, cu_seqlens_q, context_lens, block_tables, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
-        block_tables.size(1), first_seq, cos_sin, q if q_weight is None else q_weight, eps,
-        GROUP=num_heads // k_cache.size(2), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.size(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, SCALED=kv_scales is not None, TMA=tma, ROPE=new_q is not None,
-        NORM=q_weight is not None, num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device))
+        block_tables.size(1), num_decodes, q_tiles, cos_sin, q if q_weight is None else q_weight, eps,
+        NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
+        BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.size(1), BLOCK_M=block_m, BLOCK_N=block_n, SCALED=kv_scales is not None, TMA=tma,
+        ROPE=new_q is not None, NORM=q_weight is not None, num_warps=num_warps, num_stages=num_stages,
+        **pdl_args(q.device))
     return out
 
 
@@ -142,26 +148,22 @@ class TritonBackend(AttentionBackend):
     k, v (with a float8 cache up to FUSED_FP8_MAX_SEQS sequences; past that, qk_norm_rope_kernel
     first). Prefill: one kernel norms, rotates and stores k and stores v, then paged prefill
     attention norms and rotates its q tiles; a mixed step's decoding sequences, from
-    SPLIT_DECODES_FROM of them, take the decode path."""
+    DECODE_PROGRAMS_FROM of them, get decode programs in its grid."""
     name = "triton"
     supports_cuda_graphs = True  # launch shapes depend only on the batch size
 
     def forward(self, layer, q, k, v, meta):
         if meta.is_decode:
             return self._decode(layer, q, k, v, meta)
-        i, d = layer.layer_idx, meta.num_decodes if meta.num_decodes >= SPLIT_DECODES_FROM else 0
+        i, d = layer.layer_idx, meta.num_decodes if meta.num_decodes >= DECODE_PROGRAMS_FROM else 0
         q_weight, k_weight, eps = self._qk_norm(layer)
-        out = torch.empty_like(q)
-        if d:
-            self._decode(layer, q[:d], k[:d], v[:d], meta.decodes, out=out[:d])
         rope_store_kv(meta.positions, k, layer.rotary_emb.cos_sin_cache, k_weight, eps,
-                      (v, self.k_caches[i], self.v_caches[i], self.k_scales[i], self.v_scales[i], meta.slot_mapping),
-                      first_token=d)  # a decode row has one token
+                      (v, self.k_caches[i], self.v_caches[i], self.k_scales[i], self.v_scales[i], meta.slot_mapping))
         return prefill_attention(q, self.k_caches[i], self.v_caches[i], meta.cu_seqlens_q, meta.context_lens,
-                                 meta.block_tables, meta.max_seqlen_q, layer.scale, out=out, kv_scales=self._scales(i),
-                                 new_q=(layer.rotary_emb.cos_sin_cache, q_weight, eps), first_seq=d)
+                                 meta.block_tables, meta.max_seqlen_q, layer.scale, kv_scales=self._scales(i),
+                                 new_q=(layer.rotary_emb.cos_sin_cache, q_weight, eps), num_decodes=d)
 
-    def _decode(self, layer, q, k, v, meta, out=None):
+    def _decode(self, layer, q, k, v, meta):
         """Decode attention of q [num_seqs, num_heads, head_dim] (one new token per sequence, not yet
         normed or rotated, its k and v not yet stored)."""
         i = layer.layer_idx
@@ -171,13 +173,13 @@ class TritonBackend(AttentionBackend):
             # the norms, rotation and K/V store inside the attention kernel: one kernel fewer per layer
             # (H100: decode graph of 1 sequence 930 -> 880 us, of 8 1360 -> 1247).
             return decode_attention(q, self.k_caches[i], self.v_caches[i], meta.context_lens, meta.block_tables,
-                                    layer.scale, out=out, kv_scales=scales,
+                                    layer.scale, kv_scales=scales,
                                     new_token=(k, v, meta.positions, cos_sin, q_weight, k_weight, eps,
                                                meta.slot_mapping))
         qk_norm_rope(meta.positions, q, k, cos_sin, q_weight, k_weight, eps,
                      kv_cache=(v, self.k_caches[i], self.v_caches[i], *scales, meta.slot_mapping))
         return decode_attention(q, self.k_caches[i], self.v_caches[i], meta.context_lens, meta.block_tables,
-                                layer.scale, out=out, kv_scales=scales)
+                                layer.scale, kv_scales=scales)
 
     def _scales(self, i: int) -> tuple | None:
         return None if self.k_scales[i] is None else (self.k_scales[i], self.v_scales[i])

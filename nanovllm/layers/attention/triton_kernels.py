@@ -109,36 +109,155 @@ def _split_len(ctx_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
 
 
-# The block-table width changes from step to step: keep it out of Triton's specialisation
-# (on 1 and on multiples of 16), which would otherwise compile new variants mid-run.
-@triton.jit(do_not_specialize=["stride_bt", "table_width", "first_seq"])
+@triton.jit
+def _decode_q(q_ptr, seq, heads, head_mask, pos, cos_sin_ptr, q_weight_ptr, eps, stride_qt, stride_qh,
+              HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
+              SCALED: tl.constexpr):
+    """The query heads `heads` [BLOCK_G] of token row `seq` as [BLOCK_G, HEAD_DIM]: loaded, or with ROPE this
+    step's projection normed (NORM: q_weight) and rotated at position pos (qk_norm_rope's
+    arithmetic, not written back); fp16 for a float8 cache (unless float32)."""
+    if ROPE:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        d = tl.arange(0, HALF)[None, :]
+        cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d)
+        sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + d)
+        q_row = q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d
+        q1, q2 = norm_rope(tl.load(q_row, mask=head_mask[:, None], other=0.0),
+                           tl.load(q_row + HALF, mask=head_mask[:, None], other=0.0), q_weight_ptr, cos, sin, eps,
+                           HALF, NORM)
+        q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_G, HEAD_DIM))
+    else:
+        q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + tl.arange(0, HEAD_DIM)[None, :],
+                    mask=head_mask[:, None], other=0.0)
+    if SCALED and q.dtype != tl.float32:
+        q = q.to(tl.float16)
+    return q
+
+
+@triton.jit
+def _store_token(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, pos, cos_sin_ptr, k_weight_ptr,
+                 eps, slot_ptr, seq, kv_head, stride_knt, stride_vnt, stride_kb, stride_kt, stride_kh,
+                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr):
+    """Token row seq's k of kv_head (normed, rotated at pos) and v written into the cache at its
+    slot (-1: none), visible to the whole program when this returns."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HALF)[None, :]
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    if slot >= 0:
+        cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d)
+        sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + d)
+        one = tl.arange(0, 1)
+        k_row = k_ptr + seq * stride_knt + kv_head * HEAD_DIM + one[:, None] * 0 + d
+        k1, k2 = norm_rope(tl.load(k_row), tl.load(k_row + HALF), k_weight_ptr, cos, sin, eps, HALF, NORM)
+        v_row = v_ptr + seq * stride_vnt + kv_head * HEAD_DIM + one[:, None] * 0 + d
+        base = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
+        row = base + one[:, None] * 0 + d
+        scale_offs = base // HEAD_DIM + one  # contiguous caches (as _attend_tile finds the scales)
+        every = one == 0
+        store_heads(k_cache_ptr, k_scale_ptr, row, scale_offs, every, k1, k2, HALF, SCALED)
+        store_heads(v_cache_ptr, v_scale_ptr, row, scale_offs, every, tl.load(v_row), tl.load(v_row + HALF), HALF,
+                    SCALED)
+    tl.debug_barrier()  # the stores above are read back by other threads of this program
+
+
+@triton.jit
+def _decode_heads(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, kv_head, start, end, head_mask,
+                  offs_d, scale_log2, BLOCK_SIZE: tl.constexpr, stride_kb, stride_kt, stride_kh,
+                  HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr):
+    """(acc [G, D], max [G], sum [G]) of the online softmax of one token's query heads q [G, D]
+    (G = BLOCK_G; those of kv_head where head_mask) over its keys [start, end)."""
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        in_range = n0 + tl.arange(0, BLOCK_N) < end
+        valid = in_range[None, :] & head_mask[:, None]
+        acc, m, l = _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr,
+                                 kv_head, n0, in_range, valid, offs_d, scale_log2, BLOCK_SIZE, stride_kb,
+                                 stride_kt, stride_kh, HEAD_DIM, BLOCK_N, SCALED)
+    return acc, m, l
+
+
+@triton.jit
+def _store_rows(o_ptr, rows, heads, mask, acc, l, offs_d, stride_ot, stride_oh):
+    """acc / l (rows with no key: zeros) into o at token rows x heads (where mask)."""
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(o_ptr + rows[:, None].to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=mask[:, None])
+
+
+# The block-table width, the decoding sequences and the q tiles change from step to step: keep them
+# out of Triton's specialisation (on 1 and on multiples of 16), which would compile variants mid-run.
+@triton.jit(do_not_specialize=["stride_bt", "table_width", "num_decodes", "num_q_tiles"])
 def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_desc, v_desc, o_ptr,
                              cu_q_ptr, context_lens_ptr, block_tables_ptr, scale_log2, stride_qt, stride_qh,
-                             stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, table_width, first_seq,
-                             cos_sin_ptr, q_weight_ptr, eps, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, table_width,
+                             num_decodes, num_q_tiles, cos_sin_ptr, q_weight_ptr, eps, NUM_KV_HEADS: tl.constexpr,
+                             GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                              BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              SCALED: tl.constexpr, TMA: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
                              PDL: tl.constexpr):
-    """Grid (q tiles, num_heads, num_seqs - first_seq): causal attention of BLOCK_M new tokens of
-    one sequence (first_seq onwards) and head over that sequence's cached keys (its earlier tokens
-    and this step's). Where BLOCK_N divides BLOCK_SIZE, the unmasked tiles' block indices are
-    loaded one tile ahead (a load on a tile's own address chain stalls its pipelined K/V loads:
-    245 -> 207 us in a test kernel) and with TMA their K/V come through the tensor descriptors
-    k_desc, v_desc. This kernel on an H100, Qwen3-0.6B's heads, q rotated inside, bf16: 16 x 1024
-    tokens 243.5 us with the block-table row in registers (before), 242.6 with the index a tile
-    ahead, 224.6 with TMA; 8 x 2048 403.9, 412.5, 375.1 (NOTES.md, 2026-11-26, fifteenth session).
+    """1-D grid of a step's programs: one per KV head of each of the first num_decodes sequences
+    (one new token each: the decode kernel's loop over the whole context, unsplit), spread evenly
+    among one per q tile (num_q_tiles per sequence, those past a sequence's tokens exit) and query
+    head of the others, in that order (tile fastest). A q tile's program: causal attention of
+    BLOCK_M new tokens of one sequence and head over that sequence's cached keys (its earlier tokens
+    and this step's).
+    Decode programs are memory-bound and q tiles compute-bound; spread, they share the SMs (as
+    POD-Attention, Kamath et al., ASPLOS 2025): H100, 16,384 tokens of which D decode at contexts
+    of 1000-2000, us per layer, decode kernel + this kernel's q tiles -> one spread grid: D = 64
+    405 -> 383, 128 513 -> 460, 200 674 -> 592 (NOTES.md, 2026-11-26, sixteenth session).
+    Where BLOCK_N divides BLOCK_SIZE, the unmasked tiles' block indices are loaded one tile ahead
+    (a load on a tile's own address chain stalls its pipelined K/V loads: 245 -> 207 us in a test
+    kernel) and with TMA their K/V come through the tensor descriptors k_desc, v_desc. This kernel
+    on an H100, Qwen3-0.6B's heads, q rotated inside, bf16: 16 x 1024 tokens 243.5 us with the
+    block-table row in registers (before), 242.6 with the index a tile ahead, 224.6 with TMA; 8 x
+    2048 403.9, 412.5, 375.1 (NOTES.md, 2026-11-26, fifteenth session).
     With ROPE, q is this step's projection, not yet normed (NORM: q_weight) or rotated: the
     program does that to its tile (qk_norm_rope's arithmetic, at the query's position in its
     sequence), so q makes no round trip through memory before attention."""
     pdl_start(PDL)
-    pid_m, head, seq = tl.program_id(0), tl.program_id(1), first_seq + tl.program_id(2)
-    q_start = tl.load(cu_q_ptr + seq)
-    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
-    if pid_m * BLOCK_M >= q_len:
-        return
-    ctx_len = tl.load(context_lens_ptr + seq)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid = tl.program_id(0)
+    num_decode_programs = num_decodes * NUM_KV_HEADS
+    # decode programs among the first pid (+ 1) programs: where the count steps, pid is one
+    decodes_before = (pid.to(tl.int64) * num_decode_programs // tl.num_programs(0)).to(tl.int32)
+    decodes_upto = ((pid + 1).to(tl.int64) * num_decode_programs // tl.num_programs(0)).to(tl.int32)
     offs_d = tl.arange(0, HEAD_DIM)
+    if decodes_upto > decodes_before:
+        kv_head, seq = decodes_before % NUM_KV_HEADS, decodes_before // NUM_KV_HEADS  # its token is row seq
+        ctx_len = tl.load(context_lens_ptr + seq)
+        offs_g = tl.arange(0, BLOCK_G)
+        heads, head_mask = kv_head * GROUP + offs_g, offs_g < GROUP
+        q = _decode_q(q_ptr, seq, heads, head_mask, ctx_len - 1, cos_sin_ptr, q_weight_ptr, eps, stride_qt,
+                      stride_qh, HEAD_DIM, BLOCK_G, ROPE, NORM, SCALED)
+        acc, m, l = _decode_heads(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                  block_tables_ptr + seq * stride_bt, kv_head, 0, ctx_len, head_mask, offs_d,
+                                  scale_log2, BLOCK_SIZE, stride_kb, stride_kt, stride_kh, HEAD_DIM, BLOCK_G,
+                                  BLOCK_N, SCALED)
+        _store_rows(o_ptr, seq + offs_g * 0, heads, head_mask, acc, l, offs_d, stride_ot, stride_oh)
+    else:
+        tile = pid - decodes_upto
+        pid_m, head = tile % num_q_tiles, tile // num_q_tiles % (NUM_KV_HEADS * GROUP)
+        seq = num_decodes + tile // (num_q_tiles * NUM_KV_HEADS * GROUP)
+        q_start = tl.load(cu_q_ptr + seq)
+        q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+        if pid_m * BLOCK_M < q_len:
+            _prefill_tile(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_desc, v_desc, o_ptr,
+                          block_tables_ptr + seq * stride_bt, pid_m, head, q_start, q_len,
+                          tl.load(context_lens_ptr + seq), offs_d, scale_log2, stride_qt, stride_qh, stride_ot,
+                          stride_oh, stride_kb, stride_kt, stride_kh, table_width, cos_sin_ptr, q_weight_ptr, eps,
+                          GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, SCALED, TMA, ROPE, NORM)
+
+
+@triton.jit
+def _prefill_tile(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_desc, v_desc, o_ptr, table_ptr, pid_m,
+                  head, q_start, q_len, ctx_len, offs_d, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh,
+                  stride_kb, stride_kt, stride_kh, table_width, cos_sin_ptr, q_weight_ptr, eps, GROUP: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SCALED: tl.constexpr, TMA: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr):
+    """prefill_attention_kernel's q tile pid_m of one sequence (tokens q_start.., q_len of them, the
+    last ones of its ctx_len) and head."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     q_pos = ctx_len - q_len + offs_m  # absolute positions of the queries
     q_rows = q_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + head * stride_qh
     q_mask = (offs_m < q_len)[:, None]
@@ -157,7 +276,6 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_sca
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
-    table_ptr = block_tables_ptr + seq * stride_bt
     end = tl.minimum(ctx_len, ctx_len - q_len + (pid_m + 1) * BLOCK_M)
     # tiles wholly at or before the tile's first query need no mask (FlashAttention-2's split of
     # the causal loop); the rest, up to the diagonal, are masked
@@ -183,45 +301,7 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_sca
         acc, m, l = _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr,
                                  head // GROUP, n0, in_range, valid, offs_d, scale_log2, BLOCK_SIZE, stride_kb,
                                  stride_kt, stride_kh, HEAD_DIM, BLOCK_N, SCALED, True)
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(o_ptr + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :],
-             o.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
-
-
-@triton.jit
-def _new_token(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, positions_ptr, cos_sin_ptr,
-               q_weight_ptr, k_weight_ptr, eps, slot_ptr, seq, kv_head, heads, head_mask, stride_qt, stride_qh,
-               stride_knt, stride_vnt, stride_kb, stride_kt, stride_kh, store, HEAD_DIM: tl.constexpr,
-               BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr):
-    """This program's query heads [BLOCK_G, HEAD_DIM] after the optional RMSNorm and the rotation
-    (qk_norm_rope's arithmetic, not written back). Where `store` (this program's keys end at the
-    token), first the token's k (normed, rotated) and v of kv_head are written into the cache at
-    its slot (-1: none), visible to the whole program when this returns."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    d = tl.arange(0, HALF)[None, :]
-    pos = tl.load(positions_ptr + seq)
-    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d)
-    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + d)
-    q_row = q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d
-    q1 = tl.load(q_row, mask=head_mask[:, None], other=0.0)
-    q2 = tl.load(q_row + HALF, mask=head_mask[:, None], other=0.0)
-    q1, q2 = norm_rope(q1, q2, q_weight_ptr, cos, sin, eps, HALF, NORM)
-    if store:
-        slot = tl.load(slot_ptr + seq).to(tl.int64)
-        if slot >= 0:
-            one = tl.arange(0, 1)
-            k_row = k_ptr + seq * stride_knt + kv_head * HEAD_DIM + one[:, None] * 0 + d
-            k1, k2 = norm_rope(tl.load(k_row), tl.load(k_row + HALF), k_weight_ptr, cos, sin, eps, HALF, NORM)
-            v_row = v_ptr + seq * stride_vnt + kv_head * HEAD_DIM + one[:, None] * 0 + d
-            base = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
-            row = base + one[:, None] * 0 + d
-            scale_offs = base // HEAD_DIM + one  # contiguous caches (as _attend_tile finds the scales)
-            every = one == 0
-            store_heads(k_cache_ptr, k_scale_ptr, row, scale_offs, every, k1, k2, HALF, SCALED)
-            store_heads(v_cache_ptr, v_scale_ptr, row, scale_offs, every, tl.load(v_row), tl.load(v_row + HALF),
-                        HALF, SCALED)
-        tl.debug_barrier()  # the stores above are read back by other threads of this program
-    return tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_G, HEAD_DIM))
+    _store_rows(o_ptr, q_start + offs_m, head + offs_m * 0, offs_m < q_len, acc, l, offs_d, stride_ot, stride_oh)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -253,33 +333,22 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
     end = tl.minimum(start + per_split, ctx_len)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
-    heads = kv_head * GROUP + offs_g
+    heads, head_mask = kv_head * GROUP + offs_g, offs_g < GROUP
+    pos = 0
     if ROPE:
-        q = _new_token(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, positions_ptr,
-                       cos_sin_ptr, q_weight_ptr, k_weight_ptr, eps, slot_ptr, seq, kv_head, heads, offs_g < GROUP,
-                       stride_qt, stride_qh, stride_knt, stride_vnt, stride_kb, stride_kt, stride_kh,
-                       (end == ctx_len) & (ctx_len > 0), HEAD_DIM, BLOCK_G, BLOCK_SIZE, NORM, SCALED)
-    else:
-        q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=(offs_g < GROUP)[:, None], other=0.0)
-    if SCALED and q.dtype != tl.float32:
-        q = q.to(tl.float16)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    table_ptr = block_tables_ptr + seq * stride_bt
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        in_range = offs_n < end
-        valid = in_range[None, :] & (offs_g < GROUP)[:, None]
-        acc, m, l = _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr,
-                                 kv_head, n0, in_range, valid, offs_d, scale_log2, BLOCK_SIZE, stride_kb,
-                                 stride_kt, stride_kh, HEAD_DIM, BLOCK_N, SCALED)
-    head_mask = offs_g < GROUP
+        pos = tl.load(positions_ptr + seq)
+    q = _decode_q(q_ptr, seq, heads, head_mask, pos, cos_sin_ptr, q_weight_ptr, eps, stride_qt, stride_qh, HEAD_DIM,
+                  BLOCK_G, ROPE, NORM, SCALED)
+    if ROPE:
+        if (end == ctx_len) & (ctx_len > 0):
+            _store_token(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, pos, cos_sin_ptr,
+                         k_weight_ptr, eps, slot_ptr, seq, kv_head, stride_knt, stride_vnt, stride_kb, stride_kt,
+                         stride_kh, HEAD_DIM, BLOCK_SIZE, NORM, SCALED)
+    acc, m, l = _decode_heads(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + seq * stride_bt,
+                              kv_head, start, end, head_mask, offs_d, scale_log2, BLOCK_SIZE, stride_kb, stride_kt,
+                              stride_kh, HEAD_DIM, BLOCK_G, BLOCK_N, SCALED)
     if NUM_SPLITS == 1:
-        o = acc / tl.where(l > 0, l, 1.0)[:, None]
-        tl.store(o_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=head_mask[:, None])
+        _store_rows(o_ptr, seq + offs_g * 0, heads, head_mask, acc, l, offs_d, stride_ot, stride_oh)
     else:
         num_heads = tl.num_programs(0) * GROUP
         part = (seq * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G] rows of [num_seqs, num_heads, NUM_SPLITS]
