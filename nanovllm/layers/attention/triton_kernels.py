@@ -110,17 +110,22 @@ def _split_len(ctx_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _decode_q(q_ptr, seq, heads, head_mask, pos, cos_sin_ptr, q_weight_ptr, eps, stride_qt, stride_qh,
+def _cos_sin(cos_sin_ptr, pos, HEAD_DIM: tl.constexpr):
+    """cos and sin [1, HEAD_DIM / 2] (float32) of position pos from the cache [max_position, HEAD_DIM]."""
+    d = tl.arange(0, HEAD_DIM // 2)[None, :]
+    return tl.load(cos_sin_ptr + pos * HEAD_DIM + d), tl.load(cos_sin_ptr + pos * HEAD_DIM + HEAD_DIM // 2 + d)
+
+
+@triton.jit
+def _decode_q(q_ptr, seq, heads, head_mask, cos, sin, q_weight_ptr, eps, stride_qt, stride_qh,
               HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
               SCALED: tl.constexpr):
-    """The query heads `heads` [BLOCK_G] of token row `seq` as [BLOCK_G, HEAD_DIM]: loaded, or with ROPE this
-    step's projection normed (NORM: q_weight) and rotated at position pos (qk_norm_rope's
-    arithmetic, not written back); fp16 for a float8 cache (unless float32)."""
+    """The query heads `heads` [BLOCK_G] of token row `seq` as [BLOCK_G, HEAD_DIM]: loaded, or with
+    ROPE this step's projection normed (NORM: q_weight) and rotated by cos, sin (_cos_sin;
+    qk_norm_rope's arithmetic, not written back); fp16 for a float8 cache (unless float32)."""
     if ROPE:
         HALF: tl.constexpr = HEAD_DIM // 2
         d = tl.arange(0, HALF)[None, :]
-        cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d)
-        sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + d)
         q_row = q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d
         q1, q2 = norm_rope(tl.load(q_row, mask=head_mask[:, None], other=0.0),
                            tl.load(q_row + HALF, mask=head_mask[:, None], other=0.0), q_weight_ptr, cos, sin, eps,
@@ -135,17 +140,15 @@ def _decode_q(q_ptr, seq, heads, head_mask, pos, cos_sin_ptr, q_weight_ptr, eps,
 
 
 @triton.jit
-def _store_token(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, pos, cos_sin_ptr, k_weight_ptr,
-                 eps, slot_ptr, seq, kv_head, stride_knt, stride_vnt, stride_kb, stride_kt, stride_kh,
+def _store_token(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, cos, sin, k_weight_ptr, eps,
+                 slot_ptr, seq, kv_head, stride_knt, stride_vnt, stride_kb, stride_kt, stride_kh,
                  HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr):
-    """Token row seq's k of kv_head (normed, rotated at pos) and v written into the cache at its
-    slot (-1: none), visible to the whole program when this returns."""
+    """Token row seq's k of kv_head (normed, rotated by cos, sin) and v written into the cache at
+    its slot (-1: none), visible to the whole program when this returns."""
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HALF)[None, :]
     slot = tl.load(slot_ptr + seq).to(tl.int64)
     if slot >= 0:
-        cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + d)
-        sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + d)
         one = tl.arange(0, 1)
         k_row = k_ptr + seq * stride_knt + kv_head * HEAD_DIM + one[:, None] * 0 + d
         k1, k2 = norm_rope(tl.load(k_row), tl.load(k_row + HALF), k_weight_ptr, cos, sin, eps, HALF, NORM)
@@ -228,8 +231,11 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_sca
         ctx_len = tl.load(context_lens_ptr + seq)
         offs_g = tl.arange(0, BLOCK_G)
         heads, head_mask = kv_head * GROUP + offs_g, offs_g < GROUP
-        q = _decode_q(q_ptr, seq, heads, head_mask, ctx_len - 1, cos_sin_ptr, q_weight_ptr, eps, stride_qt,
-                      stride_qh, HEAD_DIM, BLOCK_G, ROPE, NORM, SCALED)
+        cos, sin = 0.0, 0.0
+        if ROPE:
+            cos, sin = _cos_sin(cos_sin_ptr, ctx_len - 1, HEAD_DIM)
+        q = _decode_q(q_ptr, seq, heads, head_mask, cos, sin, q_weight_ptr, eps, stride_qt, stride_qh, HEAD_DIM,
+                      BLOCK_G, ROPE, NORM, SCALED)
         acc, m, l = _decode_heads(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                   block_tables_ptr + seq * stride_bt, kv_head, 0, ctx_len, head_mask, offs_d,
                                   scale_log2, BLOCK_SIZE, stride_kb, stride_kt, stride_kh, HEAD_DIM, BLOCK_G,
@@ -334,16 +340,16 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
     heads, head_mask = kv_head * GROUP + offs_g, offs_g < GROUP
-    pos = 0
+    cos, sin = 0.0, 0.0
     if ROPE:
-        pos = tl.load(positions_ptr + seq)
-    q = _decode_q(q_ptr, seq, heads, head_mask, pos, cos_sin_ptr, q_weight_ptr, eps, stride_qt, stride_qh, HEAD_DIM,
+        cos, sin = _cos_sin(cos_sin_ptr, tl.load(positions_ptr + seq), HEAD_DIM)
+    q = _decode_q(q_ptr, seq, heads, head_mask, cos, sin, q_weight_ptr, eps, stride_qt, stride_qh, HEAD_DIM,
                   BLOCK_G, ROPE, NORM, SCALED)
     if ROPE:
         if (end == ctx_len) & (ctx_len > 0):
-            _store_token(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, pos, cos_sin_ptr,
-                         k_weight_ptr, eps, slot_ptr, seq, kv_head, stride_knt, stride_vnt, stride_kb, stride_kt,
-                         stride_kh, HEAD_DIM, BLOCK_SIZE, NORM, SCALED)
+            _store_token(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, cos, sin, k_weight_ptr,
+                         eps, slot_ptr, seq, kv_head, stride_knt, stride_vnt, stride_kb, stride_kt, stride_kh,
+                         HEAD_DIM, BLOCK_SIZE, NORM, SCALED)
     acc, m, l = _decode_heads(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + seq * stride_bt,
                               kv_head, start, end, head_mask, offs_d, scale_log2, BLOCK_SIZE, stride_kb, stride_kt,
                               stride_kh, HEAD_DIM, BLOCK_G, BLOCK_N, SCALED)
