@@ -1,6 +1,8 @@
 """Prefill attention alone on Qwen3-0.6B's heads: a step of --num-seqs prompts of --length tokens
 (no cached prefix), causal FLOPs (4 * heads * head_dim * sum L^2 / 2) over kernel time, for a few
-tile configurations."""
+tile configurations. --decodes D: a mixed step, D decoding sequences (one new token each, contexts
+uniform in [length, 2 * length]) first, at the engine's tiling, as decode programs inside the
+kernel (the engine from DECODE_PROGRAMS_FROM of them) and as q tiles like the prompts."""
 import argparse
 
 import torch
@@ -14,27 +16,36 @@ def main():
     p.add_argument("--num-seqs", type=int, default=16)
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--decodes", type=int, default=0)
     args = p.parse_args()
     heads, kv_heads, head_dim = 16, 8, 128
-    n, L, bs = args.num_seqs, args.length, args.block_size
-    blocks = n * -(-L // bs)
-    k_cache = torch.empty(blocks, bs, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    v_cache = torch.empty_like(k_cache)
-    tables = torch.randperm(blocks, device="cuda", dtype=torch.int32).view(n, -1)
-    positions = torch.arange(L, device="cuda")
-    slots = (tables.long()[:, positions // bs] * bs + positions % bs).flatten()
-    for cache in (k_cache, v_cache):
-        cache.view(-1, kv_heads, head_dim)[slots] = torch.randn(n * L, kv_heads, head_dim, device="cuda",
-                                                                 dtype=torch.bfloat16)
-    q = torch.randn(n * L, heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    cu = torch.arange(0, n * L + 1, L, device="cuda", dtype=torch.int32)
-    lens = torch.full((n,), L, device="cuda", dtype=torch.int32)
+    n, L, bs, d = args.num_seqs, args.length, args.block_size, args.decodes
+    contexts = torch.randint(L, 2 * L + 1, (d,)).tolist() + [L] * n
+    num_blocks = [-(-c // bs) for c in contexts]
+    k_cache = torch.randn(sum(num_blocks), bs, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(sum(num_blocks), dtype=torch.int32).split(num_blocks)  # each sequence's blocks, scattered
+    tables = torch.zeros(len(contexts), max(num_blocks), dtype=torch.int32)
+    for row, blocks in zip(tables, perm):
+        row[:len(blocks)] = blocks
+    new_tokens = torch.tensor([1] * d + [L] * n)
+    cu = torch.zeros(len(contexts) + 1, dtype=torch.int32)
+    cu[1:] = new_tokens.cumsum(0)
+    q = torch.randn(d + n * L, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    tables, cu, lens = tables.cuda(), cu.cuda(), torch.tensor(contexts, dtype=torch.int32, device="cuda")
     flops = 4 * heads * head_dim * n * L * L / 2
+    run = lambda **kw: prefill_attention(q, k_cache, v_cache, cu, lens, tables, L, head_dim ** -0.5, **kw)
+    if d:
+        decode_bytes = sum(contexts[:d]) * kv_heads * head_dim * 2 * k_cache.element_size()
+        for num_decodes, how in ((d, "decode programs"), (0, "q tiles")):
+            ms = do_bench(lambda: run(num_decodes=num_decodes), warmup=25, rep=100, return_mode="median")
+            print(f"{d} decoding sequences ({decode_bytes / 1e6:.0f} MB of K/V) as {how} + prefill {n} x {L}: "
+                  f"{ms * 1e3:.0f} us")
+        return
     for bm, bn, warps, stages in [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 2), (64, 128, 8, 2),
                                   (64, 32, 4, 4), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3), (128, 128, 8, 2)]:
         try:
-            ms = do_bench(lambda: prefill_attention(q, k_cache, v_cache, cu, lens, tables, L, head_dim ** -0.5,
-                                                    block_m=bm, block_n=bn, num_warps=warps, num_stages=stages),
+            ms = do_bench(lambda: run(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages),
                           warmup=25, rep=100, return_mode="median")
             print(f"prefill {n} x {L}: BLOCK_M {bm} BLOCK_N {bn} warps {warps} stages {stages}: "
                   f"{ms * 1e3:.0f} us, {flops / ms / 1e9:.0f} TFLOP/s")
