@@ -67,10 +67,10 @@ def qk_norm_rope_kernel(q_ptr, k_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, 
                         NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, Q_PAD: tl.constexpr,
                         K_PAD: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr,
                         SCALED: tl.constexpr, IN_PLACE: tl.constexpr, PDL: tl.constexpr):
-    """Grid (num_tokens,). With STORE, also k (rotated)
-    and v into the caches at the token's slot (slot_mapping; -1 skips): the cache row of a slot is
-    its num_kv_heads * head_dim values, its scales (SCALED) num_kv_heads floats. Not IN_PLACE: q
-    untouched, k only stored."""
+    """Grid (num_tokens,): one token's q and k heads normed and rotated in place. With STORE, also
+    k (rotated) and v into the caches at the token's slot (slot_mapping; -1 skips): the cache row of
+    a slot is its num_kv_heads * head_dim values, its scales (SCALED) num_kv_heads floats. Not
+    IN_PLACE: q untouched, k only stored."""
     pdl_start(PDL)
     t = tl.program_id(0)
     pos = tl.load(positions_ptr + t)
