@@ -3,6 +3,7 @@
 On CUDA every case runs at realistic sizes; without CUDA the kernels run in Triton's
 interpreter (TRITON_INTERPRET=1, set in conftest) on a few tiny cases.
 """
+import numpy as np
 import pytest
 import torch
 
@@ -10,7 +11,8 @@ pytest.importorskip("triton")
 from nanovllm.layers.attention.base import AttentionMetadata  # noqa: E402
 from nanovllm.layers.fp8 import quantize_fp8  # noqa: E402
 from nanovllm.layers.attention.torch_backend import paged_attention_reference  # noqa: E402
-from nanovllm.layers.attention.triton_backend import decode_attention, prefill_attention  # noqa: E402
+from nanovllm.layers.attention.triton_backend import (decode_attention, dequantize_blocks,  # noqa: E402
+                                                      prefill_attention, staging_plan)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -112,6 +114,41 @@ def test_prefill_kernel(dtype, block_size, group, head_dim, fp8, tma, num_decode
                                                               num_decodes)
     ref = reference(q, k, v, cu_q, lens, tables, head_dim ** -0.5, kv_scales)
     check_prefill(q, ref, k, v, tables, kv_scales, cu_q, lens, tma=tma, num_decodes=num_decodes)
+
+
+@pytest.mark.parametrize("num_decodes", [0, 3])
+@pytest.mark.parametrize("dtype,block_size,group,head_dim", CASES)
+def test_prefill_kernel_reads_staged_float8_blocks(dtype, block_size, group, head_dim, num_decodes):
+    """A float8 cache's blocks dequantized into a model-dtype staging area, as the Triton backend
+    stages a prefill step (each block its q tiles read, once; decode programs read the cache):
+    the staging holds value x scale rounded once to the dtype, and the attention over it is the
+    float32 attention over the float8 cache within the dtype's tolerance."""
+    gen = torch.Generator().manual_seed(hash((block_size, group, head_dim, num_decodes)) % 2**31)
+    q, k, v, tables, kv_scales, cu_q, lens, _ = prefill_batch(dtype, block_size, group, head_dim, True, gen,
+                                                              num_decodes)
+    ref = reference(q, k, v, cu_q, lens, tables, head_dim ** -0.5, kv_scales)
+    blocks, staged = staging_plan(tables.cpu().numpy().astype(np.int64), lens.cpu().numpy(), num_decodes, block_size,
+                                  capacity=k.size(0))
+    staging = torch.full((2, blocks.size + 2, *k.shape[1:]), float("nan"), dtype=dtype, device=DEVICE)
+    tile_kv = dequantize_blocks(k, v, kv_scales, torch.from_numpy(blocks).to(DEVICE, torch.int32), staging)
+    index = torch.from_numpy(blocks).to(DEVICE)
+    for x, scales, out in zip((k, v), kv_scales, tile_kv):
+        torch.testing.assert_close(out[:blocks.size], (x[index].float() * scales[index][..., None]).to(dtype),
+                                   rtol=0, atol=0, equal_nan=True)  # stale slots are NaN in both
+    check_prefill(q, ref, k, v, torch.from_numpy(staged).to(DEVICE, torch.int32), kv_scales, cu_q, lens,
+                  num_decodes=num_decodes, tile_kv=tile_kv)
+
+
+def test_staging_plan_takes_each_block_once():
+    """Rows from first_seq on: the blocks their contexts use, each once in block order, and those
+    entries renumbered into that list; earlier rows and unused entries as they were. More blocks
+    than the capacity: None."""
+    tables = np.array([[7, 2, -1], [4, 5, 6], [4, 9, -1], [3, 1, 8]])
+    context_lens = np.array([5, 9, 8, 4])  # blocks of 4 tokens: 2, 3, 2 and 1 used
+    blocks, staged = staging_plan(tables, context_lens, 1, 4, capacity=5)
+    assert blocks.tolist() == [3, 4, 5, 6, 9]
+    assert staged.tolist() == [[7, 2, -1], [1, 2, 3], [1, 4, -1], [0, 1, 8]]
+    assert staging_plan(tables, context_lens, 1, 4, capacity=4) is None
 
 
 class _RopeCfg:

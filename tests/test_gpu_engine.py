@@ -128,11 +128,14 @@ def test_seeded_sampling_and_logprobs_on_the_gpu(qwen3_06b):
 
 @pytest.mark.parametrize("fp8, reference_args, max_gap", [
     (dict(kv_cache_dtype="fp8"), dict(attention_backend="torch", enforce_eager=True), 0.5),
+    # a staging area of 512 / 16 + 4 blocks: the later chunks' prefill attention reads the float8 cache
+    (dict(kv_cache_dtype="fp8", max_num_seqs=4), dict(attention_backend="torch", enforce_eager=True), 0.5),
     (dict(quantization="fp8"), dict(enforce_eager=True), 1.0),
-], ids=["kv_cache_dtype", "quantization"])
+], ids=["kv_cache_dtype", "kv_cache_dtype-staging-overflows", "quantization"])
 def test_fp8_on_the_gpu(qwen3_06b, fp8, reference_args, max_gap):
     """The float8 KV cache, and float8 weights, through the Triton kernels with CUDA graphs, chunked
-    prefill, 16-token blocks and prefix hits, against a reference engine of the same precision:
+    prefill, 16-token blocks and prefix hits (prefill attention over the blocks staged in the model
+    dtype, or, past the staging area, the float8 cache), against a reference engine of the same precision:
     for the cache the torch backend (eager; float32 attention over the same float8 cache, which
     both write alike: test_fused_kernels), for the weights the same engine eager (the same fp8
     GEMMs). Every token is close to the float32 model's argmax, and where a sequence first

@@ -3,7 +3,9 @@
 Layout: [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim], one tensor, so
 a block is the same slot range in every layer; the attention backend gets it with bind_kv_cache.
 A float8 cache (kv_cache_dtype="fp8") has beside it one float32 scale per stored head vector
-(layers/attention/base.py store_kv says why per token and head).
+(layers/attention/base.py store_kv says why per token and head), and, for a backend that wants one,
+a staging area: blocks of one layer's K and V in the model dtype, which the Triton backend's
+prefill steps dequantize their sequences' blocks into (triton_backend.py says why).
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,10 +23,18 @@ class KVCacheSpec:
     num_kv_heads: int  # this rank's
     head_dim: int
     dtype: torch.dtype  # the cache's: the model dtype, or torch.float8_e4m3fn (then with scales)
+    staging_blocks: int = 0  # blocks of the staging area (float8 caches only)
+    staging_dtype: torch.dtype | None = None  # its dtype: the model's
 
     @property
     def scaled(self) -> bool:
         return self.dtype.itemsize == 1
+
+    @property
+    def staging_bytes(self) -> int:
+        if not (self.scaled and self.staging_blocks):
+            return 0
+        return 2 * self.staging_blocks * self.block_size * self.num_kv_heads * self.head_dim * self.staging_dtype.itemsize
 
     @property
     def block_bytes(self) -> int:
@@ -35,20 +45,24 @@ class KVCacheSpec:
     def allocate(self, num_blocks: int, device: torch.device) -> "KVCache":
         shape = (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         scales = torch.empty(shape[:-1], dtype=torch.float32, device=device) if self.scaled else None
-        return KVCache(torch.empty(shape, dtype=self.dtype, device=device), scales)
+        staging = torch.empty((2, self.staging_blocks, *shape[3:]), dtype=self.staging_dtype, device=device) \
+            if self.staging_bytes else None
+        return KVCache(torch.empty(shape, dtype=self.dtype, device=device), scales, staging)
 
 
 @dataclass
 class KVCache:
     """data: [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim] in the cache dtype.
     scales: None, or for float8 data [2, num_layers, num_blocks, block_size, num_kv_heads] float32:
-    a stored head vector's value is data.float() * scale."""
+    a stored head vector's value is data.float() * scale.
+    staging: None, or [2 (K, V), staging_blocks, block_size, num_kv_heads, head_dim] in the model dtype."""
     data: torch.Tensor
     scales: torch.Tensor | None
+    staging: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.scales) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.staging) if t is not None)
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor):
         """Copy blocks src [n] to dst [n] (int64, on the cache's device) in every layer, K and V."""
@@ -60,8 +74,8 @@ class KVCache:
 def num_kv_blocks(config: Config, spec: KVCacheSpec, max_blocks_per_seq: int, profile: Callable[[], int],
                   device: torch.device, world_size: int) -> int:
     """Blocks in the pool: num_kvcache_blocks when set; on GPU what fits in gpu_memory_utilization
-    of total memory after the weights and the peak activations of `profile` (a warm-up step at
-    the largest batch, which returns the bytes of its own temporary KV cache); on CPU
+    of total memory after the weights, the peak activations of `profile` (a warm-up step at
+    the largest batch, which returns the bytes of its own temporary KV cache) and the staging area; on CPU
     cpu_kvcache_space_gib. `device`: this rank's. Under tensor parallelism every rank takes the fewest any rank can hold.
     Raises ValueError when not even one max_model_len sequence fits, unless max_model_len was left
     to its default (config.max_model_len_is_default): then the caller lowers it to the pool's
@@ -77,7 +91,7 @@ def num_kv_blocks(config: Config, spec: KVCacheSpec, max_blocks_per_seq: int, pr
         stats = torch.cuda.memory_stats()
         peak = stats["allocated_bytes.all.peak"] - warmup_bytes  # the warm-up's own KV cache is not activation
         used_outside = (total - free) - stats["reserved_bytes.all.current"]  # CUDA context, other processes
-        available = total * config.gpu_memory_utilization - used_outside - peak
+        available = total * config.gpu_memory_utilization - used_outside - peak - spec.staging_bytes
         num_blocks, budget = int(available // block_bytes), "gpu_memory_utilization"
     else:
         limit = config.max_num_seqs * max_blocks_per_seq  # more would never be used at once

@@ -69,8 +69,11 @@ class ModelRunner:
         self._prev_sampled: torch.Tensor | None = None  # those tokens, on the device
         self.graph_runner = None
         layer = next(m for m in self.model.modules() if isinstance(m, Attention))
+        # a step without cached prefixes spans at most this many blocks: the staging area's size
+        step_blocks = -(-config.max_num_batched_tokens // self.block_size) + config.max_num_seqs
         self.kv_spec = KVCacheSpec(self.hf_config.num_hidden_layers, self.block_size, layer.num_kv_heads,
-                                   layer.head_dim, config.kv_cache_dtype)
+                                   layer.head_dim, config.kv_cache_dtype,
+                                   step_blocks if self.backend.stages_float8_prefill else 0, self.dtype)
         self.num_kvcache_blocks = num_kv_blocks(config, self.kv_spec, self.max_blocks_per_seq, self._warmup,
                                                 self.device, self.world_size)
         # what one sequence may hold: max_model_len, or all of the pool when max_model_len was left
@@ -218,7 +221,7 @@ class ModelRunner:
         TokenLogprobs of plan.prompt_rows (each None when there are none; both None on the other
         ranks)."""
         with region("prepare_inputs"):
-            tensors = self.stager.upload_plan(plan)
+            tensors = self.stager.upload_plan(plan, self.backend.host_arrays(plan))
             meta = self.backend.build_metadata(plan, tensors)
             graph_bs = self.graph_runner.batch_size_for(meta) if self.graph_runner else None
             pending = tensors.get("pending") if plan.input_ids is not None and len(plan.pending) else None

@@ -127,14 +127,16 @@ class Stager:
             slot[1].record(self.stream)
         return [flat[start:start + n].view(d).view(a.shape) for a, d, start, n in zip(arrays, dtypes, starts, nbytes)]
 
-    def upload_plan(self, plan: StepPlan) -> dict[str, torch.Tensor]:
+    def upload_plan(self, plan: StepPlan, extra: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Every array of the plan on the device, by field name (StepPlan.INT32 as int32, the rest
-        int64); input_ids and pending only when the plan has them."""
+        int64; input_ids and pending only when the plan has them), and those of `extra` (the
+        attention backend's, AttentionBackend.host_arrays) as int32, in the same transfer."""
         names = [n for n in ("input_ids", "pending", "positions", "slot_mapping", "sample_rows", "prompt_rows",
                              "prompt_targets", "block_copies", *StepPlan.INT32)
                  if getattr(plan, n) is not None]
-        dtypes = [torch.int32 if n in StepPlan.INT32 else torch.int64 for n in names]
-        return dict(zip(names, self.upload([getattr(plan, n) for n in names], dtypes)))
+        dtypes = [torch.int32 if n in StepPlan.INT32 else torch.int64 for n in names] + [torch.int32] * len(extra)
+        arrays = [getattr(plan, n) for n in names] + list(extra.values())
+        return dict(zip(names + list(extra), self.upload(arrays, dtypes)))
 
 
 _NUMPY = {torch.int32: np.int32, torch.int64: np.int64}

@@ -24,6 +24,10 @@ class AttentionMetadata:
     max_seqlen_q: the longest run of new tokens. is_decode: every sequence has one new token.
     num_decodes: the first num_decodes sequences have one new token each (in a decode step, B; as
     vLLM's split of decodes from prefills; the scheduler puts decoding sequences first).
+    staged: None, or (blocks [n], block_tables [B, max_blocks]) int32 where a backend stages a
+    float8 cache's blocks for this step (TritonBackend: the blocks each sequence read by q tiles
+    reads, dequantized into the staging area in that order, and the block tables with those rows
+    renumbered into it).
     """
     positions: torch.Tensor
     slot_mapping: torch.Tensor
@@ -33,6 +37,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     is_decode: bool
     num_decodes: int = 0
+    staged: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class AttentionBackend:
@@ -42,12 +47,14 @@ class AttentionBackend:
     One instance per ModelRunner, given to every Attention layer when the model is built."""
     name = "base"
     supports_cuda_graphs = False  # True when launch shapes depend only on the batch size
+    stages_float8_prefill = False  # True: a float8 cache comes with a staging area (engine/kv_cache.py)
 
     def __init__(self):
         self.k_caches: list[torch.Tensor] = []  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
         self.v_caches: list[torch.Tensor] = []
         self.k_scales: list[torch.Tensor | None] = []  # per layer [num_blocks, block_size, num_kv_heads] or None
         self.v_scales: list[torch.Tensor | None] = []
+        self.staging: torch.Tensor | None = None  # the KV cache's staging area, if any
         self.graph_meta: AttentionMetadata | None = None
 
     def bind_kv_cache(self, kv_cache):
@@ -57,6 +64,12 @@ class AttentionBackend:
         no_scales = [None] * len(self.k_caches)
         self.k_scales = no_scales if kv_cache is None or kv_cache.scales is None else list(kv_cache.scales[0])
         self.v_scales = no_scales if kv_cache is None or kv_cache.scales is None else list(kv_cache.scales[1])
+        self.staging = None if kv_cache is None else kv_cache.staging
+
+    def host_arrays(self, plan) -> dict:
+        """Arrays of this backend's own, computed on the host from the step's StepPlan and uploaded
+        with it (build_metadata finds them among the tensors by name): none here."""
+        return {}
 
     def build_metadata(self, plan, tensors: dict[str, torch.Tensor]) -> AttentionMetadata:
         """The step's metadata from its StepPlan (host) and the plan's arrays on the device (by field name)."""

@@ -1,13 +1,14 @@
 """Our own paged-attention backend: the Triton kernels of triton_kernels.py and qk_norm_rope_kernel.py."""
 import functools
 
+import numpy as np
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.layers.attention.base import AttentionBackend
-from nanovllm.layers.attention.triton_kernels import (LOG2E, decode_attention_kernel, prefill_attention_kernel,
-                                                      reduce_splits_kernel)
+from nanovllm.layers.attention.triton_kernels import (LOG2E, decode_attention_kernel, dequantize_blocks_kernel,
+                                                      prefill_attention_kernel, reduce_splits_kernel)
 from nanovllm.layers.pdl import hopper, pdl_args
 from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope, rope_store_kv
 
@@ -37,7 +38,7 @@ def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: tuple |
 
 def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, max_seqlen_q, scale, out=None,
                       kv_scales=None, block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, num_warps=4, num_stages=3,
-                      new_q=None, num_decodes=0, tma=None):
+                      new_q=None, num_decodes=0, tma=None, tile_kv=None):
     """Causal attention of the packed new tokens q: [T, num_heads, head_dim] (sequence i's at
     cu_seqlens_q[i]:cu_seqlens_q[i+1], the last ones of its context_lens[i] tokens, so at positions
     context_lens[i] - n .. context_lens[i] - 1) over the paged cache; kv_scales: (k_scales, v_scales)
@@ -50,29 +51,62 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
     kernel's (see prefill_attention_kernel), instead of a q tile per head. tma: K/V tiles
     through tensor descriptors (Hopper's TMA; None: where the device has it, and in Triton's
     interpreter), else through pointers; caches that are not contiguous, head vectors under 16
-    bytes, or tiles that do not divide the block size take pointers either way."""
+    bytes, or tiles that do not divide the block size take pointers either way.
+    tile_kv: None, or (k, v) [n, block_size, num_kv_heads, head_dim] in q's dtype that the q tiles
+    read instead of a float8 cache (dequantize_blocks' staging area; block_tables' rows of the
+    sequences after the first num_decodes then index it), while decode programs read the cache."""
     out = torch.empty_like(q) if out is None else out
     num_heads, head_dim, num_kv_heads = q.size(1), q.size(2), k_cache.size(2)
     q_tiles = triton.cdiv(max_seqlen_q, block_m)
     programs = q_tiles * num_heads * (context_lens.size(0) - num_decodes) + num_decodes * num_kv_heads
     caches, strides = _cache_args(k_cache, v_cache, kv_scales)
+    tile_k, tile_v = tile_kv or (k_cache, v_cache)
+    assert tile_k.stride() == tile_v.stride() == k_cache.stride() and tile_k.dtype == tile_v.dtype
     if tma is None:  # Hopper's copy engine, or Triton's interpreter on the CPU
         tma = hopper(q.device) or q.device.type == "cpu"
-    tma = (tma and k_cache.size(1) % block_n == 0 and k_cache.is_contiguous() and v_cache.is_contiguous()
-           and head_dim * k_cache.element_size() >= 16)  # a TMA box row holds 16 bytes at least
+    tma = (tma and k_cache.size(1) % block_n == 0 and tile_k.is_contiguous() and tile_v.is_contiguous()
+           and head_dim * tile_k.element_size() >= 16)  # a TMA box row holds 16 bytes at least
     descs = [TensorDescriptor.from_tensor(c.view(-1, c.size(2) * head_dim), [block_n, head_dim])
-             for c in (k_cache, v_cache)] if tma else (q, q)
+             for c in (tile_k, tile_v)] if tma else (q, q)
     cos_sin, q_weight, eps = new_q or (q, None, 0.0)
     prefill_attention_kernel[(programs,)](
-        q, *caches, *descs, out, cu_seqlens_q, context_lens, block_tables, scale * LOG2E,
+        q, *caches, tile_k, tile_v, *descs, out, cu_seqlens_q, context_lens, block_tables, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
         block_tables.size(1), num_decodes, q_tiles, cos_sin, q if q_weight is None else q_weight, eps,
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
         BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.size(1), BLOCK_M=block_m, BLOCK_N=block_n, SCALED=kv_scales is not None, TMA=tma,
-        ROPE=new_q is not None, NORM=q_weight is not None, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_SIZE=k_cache.size(1), BLOCK_M=block_m, BLOCK_N=block_n, SCALED=kv_scales is not None,
+        TILE_SCALED=kv_scales is not None and tile_kv is None, TMA=tma, ROPE=new_q is not None, NORM=q_weight is not None, num_warps=num_warps, num_stages=num_stages,
         **pdl_args(q.device))
     return out
+
+
+def staging_plan(block_tables: np.ndarray, context_lens: np.ndarray, first_seq: int, block_size: int,
+                 capacity: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The blocks that sequences first_seq.. of a step read (block_tables [B, max_blocks], -1
+    padded; context_lens [B]), each once, in order of block id, and the block tables with those
+    rows renumbered to index that list; None when they are more than `capacity`."""
+    tables = block_tables[first_seq:]
+    used = np.arange(tables.shape[1])[None, :] < -(-context_lens[first_seq:, None] // block_size)
+    blocks, index = np.unique(tables[used], return_inverse=True)
+    if blocks.size > capacity:
+        return None
+    staged = block_tables.copy()
+    staged[first_seq:][used] = index
+    return blocks, staged
+
+
+def dequantize_blocks(k_cache, v_cache, kv_scales, blocks, staging, rows_per_program=16):
+    """The float8 caches' blocks `blocks` [n] (int32), times their scales, into staging[0][:n] (K)
+    and staging[1][:n] (V) ([2, >= n, block_size, num_kv_heads, head_dim], the model dtype);
+    returns (staging[0], staging[1])."""
+    (k_cache, v_cache, k_scales, v_scales), _ = _cache_args(k_cache, v_cache, kv_scales)
+    assert staging.is_contiguous() and staging.shape[2:] == k_cache.shape[1:]
+    rows = k_cache.size(1) * k_cache.size(2)  # head vectors per block
+    dequantize_blocks_kernel[(blocks.size(0), triton.cdiv(rows, rows_per_program))](
+        k_cache, v_cache, k_scales, v_scales, staging[0], staging[1], blocks, ROWS_PER_BLOCK=rows,
+        HEAD_DIM=k_cache.size(3), BLOCK_R=rows_per_program)
+    return staging[0], staging[1]
 
 
 @functools.cache
@@ -148,20 +182,52 @@ class TritonBackend(AttentionBackend):
     k, v (with a float8 cache up to FUSED_FP8_MAX_SEQS sequences; past that, qk_norm_rope_kernel
     first). Prefill: one kernel norms, rotates and stores k and stores v, then paged prefill
     attention norms and rotates its q tiles; a mixed step's decoding sequences, from
-    DECODE_PROGRAMS_FROM of them, get decode programs in its grid."""
+    DECODE_PROGRAMS_FROM of them, get decode programs in its grid.
+    A float8 cache's prefill step first dequantizes the blocks its q tiles read into the staging
+    area (when they fit), and the q tiles read those as a model-dtype cache: converting float8
+    tiles inside the kernel runs it at half its bf16 speed (H100, 16 x 1024 tokens of Qwen3-0.6B:
+    bf16 197 us, float8 converted inside 388, of which 110 the conversion and 80 the scales'
+    loads; the dequantization moves 101 MB in 42 us. NOTES.md, 2026-11-26, seventeenth session).
+    The values are the float8 cache's, rounded once to the model dtype."""
     name = "triton"
     supports_cuda_graphs = True  # launch shapes depend only on the batch size
+    stages_float8_prefill = True
 
     def forward(self, layer, q, k, v, meta):
         if meta.is_decode:
             return self._decode(layer, q, k, v, meta)
-        i, d = layer.layer_idx, meta.num_decodes if meta.num_decodes >= DECODE_PROGRAMS_FROM else 0
+        i, d = layer.layer_idx, self._num_decode_programs(meta.num_decodes)
         q_weight, k_weight, eps = self._qk_norm(layer)
         rope_store_kv(meta.positions, k, layer.rotary_emb.cos_sin_cache, k_weight, eps,
                       (v, self.k_caches[i], self.v_caches[i], self.k_scales[i], self.v_scales[i], meta.slot_mapping))
+        tables, tile_kv = meta.block_tables, None
+        if meta.staged is not None:
+            blocks, tables = meta.staged
+            tile_kv = dequantize_blocks(self.k_caches[i], self.v_caches[i], self._scales(i), blocks, self.staging)
         return prefill_attention(q, self.k_caches[i], self.v_caches[i], meta.cu_seqlens_q, meta.context_lens,
-                                 meta.block_tables, meta.max_seqlen_q, layer.scale, kv_scales=self._scales(i),
-                                 new_q=(layer.rotary_emb.cos_sin_cache, q_weight, eps), num_decodes=d)
+                                 tables, meta.max_seqlen_q, layer.scale, kv_scales=self._scales(i),
+                                 new_q=(layer.rotary_emb.cos_sin_cache, q_weight, eps), num_decodes=d,
+                                 tile_kv=tile_kv)
+
+    def host_arrays(self, plan) -> dict:
+        """A float8 cache's prefill step: the blocks its q tiles read (staged_blocks) and the block
+        tables renumbered into the staging area (staged_tables), when they fit there (staging_plan)."""
+        if self.staging is None or plan.is_decode:
+            return {}
+        staged = staging_plan(plan.block_tables, plan.context_lens, self._num_decode_programs(plan.num_decodes),
+                              self.staging.size(2), self.staging.size(1))
+        return {} if staged is None else dict(zip(("staged_blocks", "staged_tables"), staged))
+
+    def build_metadata(self, plan, tensors):
+        meta = super().build_metadata(plan, tensors)
+        if "staged_blocks" in tensors:
+            meta.staged = tensors["staged_blocks"], tensors["staged_tables"]
+        return meta
+
+    @staticmethod
+    def _num_decode_programs(num_decodes: int) -> int:
+        """A mixed step's leading decoding sequences that get decode programs (the rest: q tiles)."""
+        return num_decodes if num_decodes >= DECODE_PROGRAMS_FROM else 0
 
     def _decode(self, layer, q, k, v, meta):
         """Decode attention of q [num_seqs, num_heads, head_dim] (one new token per sequence, not yet

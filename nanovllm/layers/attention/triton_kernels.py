@@ -192,14 +192,14 @@ def _store_rows(o_ptr, rows, heads, mask, acc, l, offs_d, stride_ot, stride_oh):
 # The block-table width, the decoding sequences and the q tiles change from step to step: keep them
 # out of Triton's specialisation (on 1 and on multiples of 16), which would compile variants mid-run.
 @triton.jit(do_not_specialize=["stride_bt", "table_width", "num_decodes", "num_q_tiles"])
-def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_desc, v_desc, o_ptr,
-                             cu_q_ptr, context_lens_ptr, block_tables_ptr, scale_log2, stride_qt, stride_qh,
-                             stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt, table_width,
-                             num_decodes, num_q_tiles, cos_sin_ptr, q_weight_ptr, eps, NUM_KV_HEADS: tl.constexpr,
-                             GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             SCALED: tl.constexpr, TMA: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
-                             PDL: tl.constexpr):
+def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, tile_k_ptr, tile_v_ptr,
+                             k_desc, v_desc, o_ptr, cu_q_ptr, context_lens_ptr, block_tables_ptr, scale_log2,
+                             stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
+                             table_width, num_decodes, num_q_tiles, cos_sin_ptr, q_weight_ptr, eps,
+                             NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, SCALED: tl.constexpr, TILE_SCALED: tl.constexpr,
+                             TMA: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     """1-D grid of a step's programs: one per KV head of each of the first num_decodes sequences
     (one new token each: the decode kernel's loop over the whole context, unsplit), spread evenly
     among one per q tile (num_q_tiles per sequence, those past a sequence's tokens exit) and query
@@ -218,7 +218,11 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_sca
     2048 403.9, 412.5, 375.1 (NOTES.md, 2026-11-26, fifteenth session).
     With ROPE, q is this step's projection, not yet normed (NORM: q_weight) or rotated: the
     program does that to its tile (qk_norm_rope's arithmetic, at the query's position in its
-    sequence), so q makes no round trip through memory before attention."""
+    sequence), so q makes no round trip through memory before attention.
+    Decode programs read k_cache, v_cache (SCALED: float8 with k_scale, v_scale); q tiles read
+    tile_k, tile_v through the same block tables and strides (TILE_SCALED: the float8 caches; else
+    caches in q's dtype: the model-dtype ones, or a float8 cache's blocks dequantized for this step,
+    see dequantize_blocks_kernel)."""
     pdl_start(PDL)
     pid = tl.program_id(0)
     num_decode_programs = num_decodes * NUM_KV_HEADS
@@ -248,11 +252,11 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_sca
         q_start = tl.load(cu_q_ptr + seq)
         q_len = tl.load(cu_q_ptr + seq + 1) - q_start
         if pid_m * BLOCK_M < q_len:
-            _prefill_tile(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_desc, v_desc, o_ptr,
+            _prefill_tile(q_ptr, tile_k_ptr, tile_v_ptr, k_scale_ptr, v_scale_ptr, k_desc, v_desc, o_ptr,
                           block_tables_ptr + seq * stride_bt, pid_m, head, q_start, q_len,
                           tl.load(context_lens_ptr + seq), offs_d, scale_log2, stride_qt, stride_qh, stride_ot,
                           stride_oh, stride_kb, stride_kt, stride_kh, table_width, cos_sin_ptr, q_weight_ptr, eps,
-                          GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, SCALED, TMA, ROPE, NORM)
+                          GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, TILE_SCALED, TMA, ROPE, NORM)
 
 
 @triton.jit
@@ -399,3 +403,27 @@ def reduce_splits_kernel(o_ptr, acc_ptr, ml_ptr, context_lens_ptr, stride_ot, st
     o = o_run / tl.where(l_run > 0, l_run, 1.0)[:, None]
     tl.store(o_ptr + seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
              mask=head_mask[:, None])
+
+
+
+@triton.jit
+def dequantize_blocks_kernel(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_out_ptr, v_out_ptr, src_ptr,
+                             ROWS_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Grid (blocks, cdiv(ROWS_PER_BLOCK, BLOCK_R)): block j of k_out, v_out (contiguous
+    [n, block_size, num_kv_heads, HEAD_DIM] in the model dtype) = float8 block src[j] of the
+    contiguous caches times its scales, BLOCK_R head vectors (rows) per program."""
+    j, r = tl.program_id(0), tl.program_id(1)
+    rows = r * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask = rows < ROWS_PER_BLOCK
+    src_rows = tl.load(src_ptr + j).to(tl.int64) * ROWS_PER_BLOCK + rows
+    out_rows = j.to(tl.int64) * ROWS_PER_BLOCK + rows
+    _dequantize_rows(k_cache_ptr, k_scale_ptr, k_out_ptr, src_rows, out_rows, mask, HEAD_DIM)
+    _dequantize_rows(v_cache_ptr, v_scale_ptr, v_out_ptr, src_rows, out_rows, mask, HEAD_DIM)
+
+
+@triton.jit
+def _dequantize_rows(cache_ptr, scale_ptr, out_ptr, src_rows, out_rows, mask, HEAD_DIM: tl.constexpr):
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    x = tl.load(cache_ptr + src_rows[:, None] * HEAD_DIM + d, mask=mask[:, None]).to(tl.float32)
+    x = x * tl.load(scale_ptr + src_rows, mask=mask)[:, None]
+    tl.store(out_ptr + out_rows[:, None] * HEAD_DIM + d, x.to(out_ptr.dtype.element_ty), mask=mask[:, None])
