@@ -139,8 +139,10 @@ def run_nanovllm(args, prompts, max_tokens):
     print(f"startup: LLM(...) took {startup:.1f} s (weights, Triton compile, CUDA graphs)")
     if args.data_parallel_size == 1:
         runner = llm.engine.model_runner
+        staging = runner.kv_spec.staging_bytes
         print(f"KV cache: {runner.num_kvcache_blocks} blocks of {runner.block_size} = "
-              f"{runner.num_kvcache_blocks * runner.block_size} tokens in {runner.kv_spec.dtype}")
+              f"{runner.num_kvcache_blocks * runner.block_size} tokens in {runner.kv_spec.dtype}"
+              + (f" (and a {staging / 2**20:.0f} MiB staging area for prefill attention)" if staging else ""))
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                     presence_penalty=args.presence_penalty, logprobs=args.logprobs, ignore_eos=True)
     params = [SamplingParams(n=args.n, max_tokens=m, **sampling) for m in max_tokens]
