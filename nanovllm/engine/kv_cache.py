@@ -32,9 +32,11 @@ class KVCacheSpec:
 
     @property
     def staging_bytes(self) -> int:
+        """Bytes of the staging area: K and V of staging_blocks blocks of one layer (0 unless float8)."""
         if not (self.scaled and self.staging_blocks):
             return 0
-        return 2 * self.staging_blocks * self.block_size * self.num_kv_heads * self.head_dim * self.staging_dtype.itemsize
+        per_block = self.block_size * self.num_kv_heads * self.head_dim * self.staging_dtype.itemsize
+        return 2 * self.staging_blocks * per_block
 
     @property
     def block_bytes(self) -> int:
@@ -75,8 +77,9 @@ def num_kv_blocks(config: Config, spec: KVCacheSpec, max_blocks_per_seq: int, pr
                   device: torch.device, world_size: int) -> int:
     """Blocks in the pool: num_kvcache_blocks when set; on GPU what fits in gpu_memory_utilization
     of total memory after the weights, the peak activations of `profile` (a warm-up step at
-    the largest batch, which returns the bytes of its own temporary KV cache) and the staging area; on CPU
-    cpu_kvcache_space_gib. `device`: this rank's. Under tensor parallelism every rank takes the fewest any rank can hold.
+    the largest batch, which returns the bytes of its own temporary KV cache) and the staging
+    area; on CPU cpu_kvcache_space_gib. `device`: this rank's. Under tensor parallelism every
+    rank takes the fewest any rank can hold.
     Raises ValueError when not even one max_model_len sequence fits, unless max_model_len was left
     to its default (config.max_model_len_is_default): then the caller lowers it to the pool's
     size, and only a pool without a single block is an error."""

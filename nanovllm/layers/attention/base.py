@@ -25,9 +25,9 @@ class AttentionMetadata:
     num_decodes: the first num_decodes sequences have one new token each (in a decode step, B; as
     vLLM's split of decodes from prefills; the scheduler puts decoding sequences first).
     staged: None, or (blocks [n], block_tables [B, max_blocks]) int32 where a backend stages a
-    float8 cache's blocks for this step (TritonBackend: the blocks each sequence read by q tiles
-    reads, dequantized into the staging area in that order, and the block tables with those rows
-    renumbered into it).
+    float8 cache's blocks for this step (TritonBackend: the blocks of the sequences that q tiles
+    read, each once, dequantized into the staging area in that order, and the block tables with
+    those sequences' rows renumbered into it).
     """
     positions: torch.Tensor
     slot_mapping: torch.Tensor

@@ -76,8 +76,8 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
         BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.size(1), BLOCK_M=block_m, BLOCK_N=block_n, SCALED=kv_scales is not None,
-        TILE_SCALED=kv_scales is not None and tile_kv is None, TMA=tma, ROPE=new_q is not None, NORM=q_weight is not None, num_warps=num_warps, num_stages=num_stages,
-        **pdl_args(q.device))
+        TILE_SCALED=kv_scales is not None and tile_kv is None, TMA=tma, ROPE=new_q is not None,
+        NORM=q_weight is not None, num_warps=num_warps, num_stages=num_stages, **pdl_args(q.device))
     return out
 
 
