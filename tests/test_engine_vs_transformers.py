@@ -2,7 +2,7 @@
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import hf_greedy, needs_interpreter, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LENGTHS = [1, 7, 16, 17, 40, 95]
@@ -25,6 +25,7 @@ def test_batch_of_mixed_lengths(tiny_model):
     assert len({tuple(o.token_ids) for o in outs}) > 1  # the model is not degenerate
 
 
+@needs_interpreter
 @pytest.mark.parametrize("decode_programs_from", [None, 1])
 def test_triton_backend_in_the_interpreter(tiny_model, decode_programs_from, monkeypatch):
     """The Triton kernels (fused norm + rope + K/V store, paged prefill and decode attention) through

@@ -5,7 +5,7 @@ in test_real_weights.py."""
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from tests.conftest import random_prompts
+from tests.conftest import needs_interpreter, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
 
@@ -22,7 +22,8 @@ def test_the_fp8_pool_holds_more_tokens(tiny_qwen3):
     assert pools[1].engine.model_runner.kv_cache.scales.shape == (2, 2, blocks[1], 16, 2)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "triton-decode-programs"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter),
+                                     pytest.param("triton-decode-programs", marks=needs_interpreter)])
 def test_fp8_tokens_do_not_depend_on_scheduling(tiny_qwen3, backend, monkeypatch):
     """Each prompt alone in a roomy engine gives the reference; then all together through chunked
     prefill (20-token budget), prefix-cache hits, preemption (9 blocks) and n=2 (the shared partial
