@@ -6,12 +6,12 @@ if not torch.cuda.is_available():  # run the Triton kernels in Triton's interpre
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 # the Triton backend on device="cpu" (the engine's CPU tests) runs only in Triton's interpreter
 needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                        reason="Triton kernels take CPU tensors only in the interpreter "
                                               "(TRITON_INTERPRET=1, which conftest.py sets where there is no CUDA)")
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 VOCAB = 320
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
