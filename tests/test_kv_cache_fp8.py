@@ -30,12 +30,18 @@ def test_fp8_tokens_do_not_depend_on_scheduling(tiny_qwen3, backend, monkeypatch
     block copied with its scales) must give the same tokens. The Triton backend must give the
     torch backend's reference tokens; "triton-decode-programs" also gives mixed steps' decoding
     sequences decode programs in prefill attention, and decode steps their float8 store outside the
-    decode kernel. (Against the float32 cache these tiny random models part after a few tokens,
+    decode kernel. The Triton backend's prefill steps read their blocks dequantized into the
+    staging area. (Against the float32 cache these tiny random models part after a few tokens,
     from near-ties of their logits; accuracy is measured on real weights.)"""
-    if backend == "triton-decode-programs":
+    staged = []  # blocks per dequantize_blocks call
+    if backend != "torch":
         from nanovllm.layers.attention import triton_backend
-        monkeypatch.setattr(triton_backend, "DECODE_PROGRAMS_FROM", 1)
-        monkeypatch.setattr(triton_backend, "FUSED_FP8_MAX_SEQS", 0)
+        if backend == "triton-decode-programs":
+            monkeypatch.setattr(triton_backend, "DECODE_PROGRAMS_FROM", 1)
+            monkeypatch.setattr(triton_backend, "FUSED_FP8_MAX_SEQS", 0)
+        dequantize_blocks = triton_backend.dequantize_blocks
+        monkeypatch.setattr(triton_backend, "dequantize_blocks",
+                            lambda *args: staged.append(args[3].numel()) or dequantize_blocks(*args))
         backend = "triton"
     path, _ = tiny_qwen3
     shared = random_prompts([40], seed=5)[0]
@@ -47,6 +53,7 @@ def test_fp8_tokens_do_not_depend_on_scheduling(tiny_qwen3, backend, monkeypatch
     outs = tight.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == reference
     assert tight.engine.scheduler.num_preemptions > 0 and any(o.num_cached_tokens for o in outs)
+    assert (backend == "torch") == (not staged)
     forked = tight.generate(prompts[:2], SamplingParams(n=2, temperature=0, max_tokens=30, ignore_eos=True),
                             use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in forked] == [[r, r] for r in reference[:2]]
