@@ -13,10 +13,10 @@ results do not depend on timing). Every kernel here lets the next one launch at 
 product loads its first weight tile before waiting for the previous kernel; that overlap is
 most of the gain, which is why the norm and the gate between the products are kernels of this
 chain too rather than the compiled torch ones. Measured on an H100 (benchmarks/decode_gemm.py, a
-layer's chain as the model runs it, us per layer): 30.8 -> 25.3 at M = 2, 31.7 -> 25.7 at 16,
-32.2 -> 30.6 at 32, 33.4 -> 29.9 at 64; from 96 rows on under 2% (34.0 -> 33.4 at 96), so cuBLAS
-takes more than 64. The GPU time of a decode step of 2-16 sequences of Qwen3-0.6B: 0.16-0.21 ms
-less (NOTES.md, 2026-11-25, fifth and seventh sessions).
+layer's chain as the model runs it, us per layer, cuBLAS -> here): 30.8 -> 20.9 at M = 2, 31.5 ->
+22.6 at 16, 32.2 -> 28.8 at 32, 33.1 -> 28.7 at 48; from 96 rows on under 2% (34.0 -> 33.4 at 96),
+so cuBLAS takes more than 64 (NOTES.md, 2026-11-25, fifth and seventh sessions; 2026-11-26,
+nineteenth).
 """
 import torch
 import triton
@@ -102,19 +102,29 @@ def silu_and_mul_rows_kernel(x_ptr, y_ptr, K, BLOCK_K: tl.constexpr, PDL: tl.con
 
 
 def skinny_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for 16-bit weights: the fastest of a sweep on
-    an H100 at Qwen3-0.6B's shapes (`benchmarks/decode_gemm.py --sweep`; NOTES.md, 2026-11-25, fifth
-    and sixth sessions): 32 weight rows per program, 16 for the widest products at up to 16 rows; K
-    split in 4 where N gives fewer than 128 programs. Up to 16 rows, as many pipeline stages (up to
-    4) as fit in 200 KB of shared memory, or in 100 KB where there are more programs than the H100's
-    132 SMs, so that two share an SM (gate_up_proj at 16 rows: 9.2 us with 4 stages, 6.1 with 3).
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for 16-bit weights, from sweeps on an H100 at
+    Qwen3-0.6B's shapes (NOTES.md, 2026-11-25 fifth to seventh sessions, 2026-11-26 nineteenth).
+    Up to 16 rows with K <= 3072: each program takes one K step in one stage, so it loads its whole
+    weight slice before the PDL wait, and the grid leaves room on every SM for the next kernel's
+    programs, which load theirs while this one runs: 32 weight rows per program (16 on 2 warps for
+    N > 4096), all of K where that gives 128+ programs and K <= 1024, else K in 512-wide slices.
+    In the chain (`benchmarks/decode_gemm.py`) a layer 25.1-26.0 -> 20.9-22.6 us at 2-16 rows; at
+    24-32 rows the same rule lost (28.7 -> 30.5), and tilings of products timed alone miss this.
+    Otherwise (up to 16 rows, larger K): 32 weight rows per program, 16 for the widest products; K
+    split in 4 where N gives fewer than 128 programs; as many pipeline stages (up to 4) as fit in
+    200 KB of shared memory, or in 100 KB where there are more programs than the H100's 132 SMs.
     At 17-32 rows 4 stages, 2 warps where programs outnumber the SMs, and a split in 2 of 16-row
     tiles where 4 slices would not be whole 512-wide steps (down_proj): a layer 30.4-30.8 -> 28.1-28.8 us.
     At 33-64 rows 64 weight rows per program (the full height of Hopper's MMA) in 128-wide K steps,
     K split in 4 for outputs of up to 2048 (o_proj, down_proj): a layer 33.1-33.4 -> 28.7-29.9 us
-    against cuBLAS (NOTES.md, 2026-11-25, seventh session)."""
+    against cuBLAS."""
     if m > 32:
         return 64, 128, 4, 4, 4 if n <= 2048 else 1
+    if m <= 16 and k <= 3072:
+        block_n, warps = (16, 2) if n > 4096 else (32, 4)
+        if triton.cdiv(n, block_n) >= 128 and k <= 1024:
+            return block_n, triton.next_power_of_2(k), warps, 1, 1
+        return block_n, 512, warps, 1, triton.cdiv(k, 512)
     block_n = 16 if n > 4096 and m <= 16 else 32
     split = 4 if triton.cdiv(n, block_n) < 128 and k >= 1024 else 1
     if m > 16 and split == 4 and (k // 4) % 512:
