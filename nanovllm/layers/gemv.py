@@ -105,16 +105,21 @@ def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, res_ptr, norm_w_ptr, r
 
 
 def gemv_config(k: int, weight_dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages). K < 4096 (Qwen3-0.6B): each program's whole slice
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages). K <= 3072 (Qwen3-0.6B): each program's whole slice
     of K in one tile, 4 rows of 16-bit or 8 of float8 weights, so a grid is one wave that leaves room
     on every SM: the next kernel's programs become resident under PDL while this one runs and load
     their weights before they wait. In a chain of 28 layers' four products (H100, us per layer):
     bf16 19.1 -> 15.9, float8 15.5 -> 13.6, where the tilings that win alone (2 rows of 1024-wide
-    steps) lose (NOTES.md, 2026-11-26, nineteenth session). K >= 4096 (Qwen3-8B): 2048-wide steps,
-    4 rows per program, the fastest of a sweep of products alone (benchmarks/gemv.py --sweep)."""
+    steps) lose (NOTES.md, 2026-11-26, nineteenth session). Larger K keeps the fastest tilings of a
+    sweep of products alone (benchmarks/gemv.py --sweep): 2048-wide steps and 4 rows per program
+    for K >= 4096 (Qwen3-8B), where all of K in one tile gained nothing in bf16 and lost up to 30%
+    with float8 weights (114.5 against 88.3 us per 8B layer); between the two, not measured in a
+    chain, 1024-wide steps of 2 rows (16-bit) or 4 (float8)."""
+    if k <= 3072:
+        return (4, triton.next_power_of_2(k), 4, 1) if weight_dtype.itemsize == 2 else (8, triton.next_power_of_2(k), 8, 1)
     if k >= 4096:
         return 4, 2048, 4, 4
-    return (4, triton.next_power_of_2(k), 4, 1) if weight_dtype.itemsize == 2 else (8, triton.next_power_of_2(k), 8, 1)
+    return (2, 1024, 4, 3) if weight_dtype.itemsize == 2 else (4, 1024, 4, 4)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
