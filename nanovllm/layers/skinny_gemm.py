@@ -14,7 +14,7 @@ product loads its first weight tile before waiting for the previous kernel; that
 most of the gain, which is why the norm and the gate between the products are kernels of this
 chain too rather than the compiled torch ones. Measured on an H100 (benchmarks/decode_gemm.py, a
 layer's chain as the model runs it, us per layer, cuBLAS -> here): 30.8 -> 20.9 at M = 2, 31.5 ->
-22.6 at 16, 32.2 -> 28.8 at 32, 33.1 -> 28.7 at 48; from 96 rows on under 2% (34.0 -> 33.4 at 96),
+22.6 at 16, 32.3 -> 28.8 at 32, 33.1 -> 28.7 at 48; from 96 rows on under 2% (34.0 -> 33.4 at 96),
 so cuBLAS takes more than 64 (NOTES.md, 2026-11-25, fifth and seventh sessions; 2026-11-26,
 nineteenth).
 """
