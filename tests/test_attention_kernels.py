@@ -248,14 +248,15 @@ def test_decode_kernel_with_the_new_token_inside(dtype, block_size, group, head_
     ref = reference(q_ref, ref_caches[0], ref_caches[1], torch.arange(n + 1, dtype=torch.int32, device=DEVICE), lens,
                     tables, scale, None if kv_scales is None else ref_caches[2:])
     q_before, poisoned = q.clone(), tuple(None if c is None else c.clone() for c in caches)
-    for splits in (None, 1, 4):
+    # 16-wide tiles: the token also in a split's later tile, and in the first tile of a later split
+    for splits, block_n in ((None, 64), (1, 64), (4, 64), (1, 16), (4, 16)):
         for c, p in zip(caches, poisoned):
             if c is not None:
                 c.copy_(p)
         out = torch.full_like(q, float("nan"))
         decode_attention(q, k_cache, v_cache, lens, tables, scale, num_splits=splits, out=out, kv_scales=kv_scales,
-                         new_token=(k, v, positions, rope.cos_sin_cache, *weights, 1e-6, slots))
-        assert rel_err(out[:-1], ref[:-1]) < TOL[dtype], f"num_splits={splits}"
+                         block_n=block_n, new_token=(k, v, positions, rope.cos_sin_cache, *weights, 1e-6, slots))
+        assert rel_err(out[:-1], ref[:-1]) < TOL[dtype], f"num_splits={splits}, block_n={block_n}"
         assert torch.equal(out[-1], torch.zeros_like(out[-1]))
         for ours, theirs in zip(caches, ref_caches):
             if ours is not None:
