@@ -112,11 +112,12 @@ def gemv_config(k: int, weight_dtype: torch.dtype) -> tuple[int, int, int, int]:
     bf16 19.1 -> 15.9, float8 15.5 -> 13.6, where the tilings that win alone (2 rows of 1024-wide
     steps) lose (NOTES.md, 2026-11-26, nineteenth session). Larger K keeps the fastest tilings of a
     sweep of products alone (benchmarks/gemv.py --sweep): 2048-wide steps and 4 rows per program
-    for K >= 4096 (Qwen3-8B), where all of K in one tile gained nothing in bf16 and lost up to 30%
-    with float8 weights (114.5 against 88.3 us per 8B layer); between the two, not measured in a
-    chain, 1024-wide steps of 2 rows (16-bit) or 4 (float8)."""
+    for K >= 4096 (Qwen3-8B), where all of K in one tile gained nothing in bf16 and lost with float8
+    weights (100.1-142.2 us per 8B layer over such tilings against 88.3); between the two, not
+    measured in a chain, 1024-wide steps of 2 rows (16-bit) or 4 (float8)."""
     if k <= 3072:
-        return (4, triton.next_power_of_2(k), 4, 1) if weight_dtype.itemsize == 2 else (8, triton.next_power_of_2(k), 8, 1)
+        block_k = triton.next_power_of_2(k)
+        return (4, block_k, 4, 1) if weight_dtype.itemsize == 2 else (8, block_k, 8, 1)
     if k >= 4096:
         return 4, 2048, 4, 4
     return (2, 1024, 4, 3) if weight_dtype.itemsize == 2 else (4, 1024, 4, 4)
