@@ -179,6 +179,63 @@ def test_prefill_kernel_rotates_q_inside(dtype, block_size, group, head_dim, nor
     assert torch.equal(q, q_before)
 
 
+HOPPER = CUDA and torch.cuda.get_device_capability() == (9, 0)
+
+
+def test_gluon_work_list():
+    """Each prefilling sequence's 64-row q tiles from the last down, sequences in order; each
+    decoding one (one new token, anywhere in the step) once as (sequence, -1), spread among them."""
+    from nanovllm.layers.attention.gluon_prefill import work_list
+    assert work_list(np.array([1, 300, 1, 64, 65, 1])).tolist() == [
+        [0, -1], [1, 4], [1, 3], [1, 2], [2, -1], [1, 1], [1, 0], [3, 0], [5, -1], [4, 1], [4, 0]]
+    assert work_list(np.array([1, 1])).tolist() == [[0, -1], [1, -1]]
+    assert work_list(np.array([128])).tolist() == [[0, 1], [0, 0]]
+    q_lens = np.random.default_rng(0).integers(1, 400, 50)
+    entries = work_list(q_lens)
+    expected = [(s, -1) if n == 1 else (s, m) for s, n in enumerate(q_lens)
+                for m in range(1 if n == 1 else -(-n // 64))]
+    assert sorted(map(tuple, entries.tolist())) == sorted(expected)
+
+
+@pytest.mark.skipif(not HOPPER, reason="gluon_prefill's kernel needs an H100-class GPU (compute capability 9.0)")
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype,block_size,group", [(torch.bfloat16, 256, 2), (torch.float16, 128, 4),
+                                                    (torch.bfloat16, 256, 8)])
+def test_gluon_prefill_kernel(dtype, block_size, group, norm):
+    """gluon_prefill.prefill_attention on a mixed step (decoding sequences first and among the
+    prompts, contexts of 1 to 3001, prefix hits, tiles past a block, whole and partial q tiles),
+    q a strided view of a packed qkv as the model passes it: the float32 attention of
+    qk_norm_rope's q, into a NaN-poisoned output, and q not written."""
+    from nanovllm.layers.attention import gluon_prefill
+    from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    gen = torch.Generator().manual_seed(group + 3 * norm)
+    shapes = [(700, 1), (0, 1), (3000, 1), (64, 1), (0, 77), (130, 35), (2000, 1000), (0, 1), (17, 200), (127, 1),
+              (0, 64), (5, 129)]
+    kv_heads, head_dim = 2, 128
+    context_lens = [p + n for p, n in shapes]
+    k, v, tables, _ = make_cache(context_lens, block_size, kv_heads, head_dim, dtype, gen)
+    cu_q = torch.zeros(len(shapes) + 1, dtype=torch.int32)
+    cu_q[1:] = torch.tensor([n for _, n in shapes]).cumsum(0)
+    T, H = int(cu_q[-1]), kv_heads * group
+    qkv = torch.randn(T, H + 2 * kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    q = qkv[:, :H]
+    positions = torch.cat([torch.arange(p, p + n) for p, n in shapes]).to(DEVICE)
+    rope = RotaryEmbedding(_RopeCfg(), head_dim, 4096).to(DEVICE)
+    weights = tuple(torch.randn(head_dim, generator=gen).to(DEVICE, dtype) for _ in range(2)) if norm else (None, None)
+    q_ref = q.clone()
+    qk_norm_rope(positions, q_ref, torch.zeros_like(q_ref[:, :2]), rope.cos_sin_cache, *weights, 1e-6)
+    cu_q, lens = cu_q.to(DEVICE), torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    ref = reference(q_ref, k, v, cu_q, lens, tables, head_dim ** -0.5)
+    entries = torch.from_numpy(gluon_prefill.work_list(np.diff(cu_q.cpu().numpy()))).to(DEVICE)
+    q_before = q.clone()
+    out = torch.full((T, H, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    gluon_prefill.prefill_attention(q, k, v, cu_q, lens, tables, entries, head_dim ** -0.5,
+                                    new_q=(rope.cos_sin_cache, weights[0], 1e-6), out=out)
+    assert rel_err(out, ref) < TOL[dtype]
+    assert torch.equal(q, q_before)
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("dtype,block_size,group,head_dim", CASES)
 @pytest.mark.parametrize("num_seqs", [1, 5, 64] if CUDA else [3])

@@ -28,6 +28,8 @@ class AttentionMetadata:
     float8 cache's blocks for this step (TritonBackend: the blocks of the sequences that q tiles
     read, each once, dequantized into the staging area in that order, and the block tables with
     those sequences' rows renumbered into it).
+    work: None, or a backend's work list for this step (TritonBackend: gluon_prefill.work_list's
+    [n, 2] (sequence, q tile) entries).
     """
     positions: torch.Tensor
     slot_mapping: torch.Tensor
@@ -38,6 +40,7 @@ class AttentionMetadata:
     is_decode: bool
     num_decodes: int = 0
     staged: tuple[torch.Tensor, torch.Tensor] | None = None
+    work: torch.Tensor | None = None
 
 
 class AttentionBackend:

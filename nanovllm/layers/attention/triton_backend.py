@@ -188,10 +188,13 @@ class TritonBackend(AttentionBackend):
     tiles inside the kernel runs it at half its bf16 speed (H100, 16 x 1024 tokens of Qwen3-0.6B:
     bf16 197 us, float8 converted inside 388, of which 110 the conversion and 80 the scales'
     loads; the dequantization moves 101 MB in 42 us. NOTES.md, 2026-11-26, seventeenth session).
-    The values are the float8 cache's, rounded once to the model dtype."""
+    The values are the float8 cache's, rounded once to the model dtype.
+    On Hopper with a model-dtype cache, prefill attention is gluon_prefill's persistent kernel
+    instead (where its shapes allow: see gluon_usable), over a work list built on the host."""
     name = "triton"
     supports_cuda_graphs = True  # launch shapes depend only on the batch size
     stages_float8_prefill = True
+    gluon_prefill: bool | None = None  # gluon_usable, once known for the bound cache
 
     def forward(self, layer, q, k, v, meta):
         if meta.is_decode:
@@ -200,6 +203,11 @@ class TritonBackend(AttentionBackend):
         q_weight, k_weight, eps = self._qk_norm(layer)
         rope_store_kv(meta.positions, k, layer.rotary_emb.cos_sin_cache, k_weight, eps,
                       (v, self.k_caches[i], self.v_caches[i], self.k_scales[i], self.v_scales[i], meta.slot_mapping))
+        if meta.work is not None and (q.size(1) // k.size(1)) % 2 == 0:
+            from nanovllm.layers.attention import gluon_prefill
+            return gluon_prefill.prefill_attention(q, self.k_caches[i], self.v_caches[i], meta.cu_seqlens_q,
+                                                   meta.context_lens, meta.block_tables, meta.work, layer.scale,
+                                                   new_q=(layer.rotary_emb.cos_sin_cache, q_weight, eps))
         tables, tile_kv = meta.block_tables, None
         if meta.staged is not None:
             blocks, tables = meta.staged
@@ -209,10 +217,30 @@ class TritonBackend(AttentionBackend):
                                  new_q=(layer.rotary_emb.cos_sin_cache, q_weight, eps), num_decodes=d,
                                  tile_kv=tile_kv)
 
+    def gluon_usable(self) -> bool:
+        """Whether prefill steps take gluon_prefill's kernel: an H100-class GPU (compute capability
+        9.0: wgmma and TMA as that kernel uses them), a bf16/fp16 cache of head_dim 128 whose blocks
+        hold whole 128-token tiles. Per layer, forward also needs an even number of query heads per
+        KV head."""
+        c = self.k_caches[0] if self.k_caches else None
+        if c is None or not c.is_cuda or torch.cuda.get_device_capability(c.device) != (9, 0):
+            return False
+        from nanovllm.layers.attention import gluon_prefill
+        return (c.dtype in (torch.bfloat16, torch.float16) and c.size(3) == gluon_prefill.HEAD_DIM
+                and c.size(1) % gluon_prefill.BLOCK_N == 0 and c.is_contiguous())
+
     def host_arrays(self, plan) -> dict:
-        """A float8 cache's prefill step: the blocks its q tiles read (staged_blocks) and the block
-        tables renumbered into the staging area (staged_tables), when they fit there (staging_plan)."""
-        if self.staging is None or plan.is_decode:
+        """A prefill step: gluon_prefill's work list (prefill_work) where gluon_usable; a float8
+        cache's: the blocks its q tiles read (staged_blocks) and the block tables renumbered into
+        the staging area (staged_tables), when they fit there (staging_plan)."""
+        if plan.is_decode:
+            return {}
+        if self.gluon_prefill is None:
+            self.gluon_prefill = self.gluon_usable()
+        if self.gluon_prefill:
+            from nanovllm.layers.attention.gluon_prefill import work_list
+            return {"prefill_work": work_list(np.diff(plan.cu_seqlens_q))}
+        if self.staging is None:
             return {}
         staged = staging_plan(plan.block_tables, plan.context_lens, self._num_decode_programs(plan.num_decodes),
                               self.staging.size(2), self.staging.size(1))
@@ -222,7 +250,12 @@ class TritonBackend(AttentionBackend):
         meta = super().build_metadata(plan, tensors)
         if "staged_blocks" in tensors:
             meta.staged = tensors["staged_blocks"], tensors["staged_tables"]
+        meta.work = tensors.get("prefill_work")
         return meta
+
+    def bind_kv_cache(self, kv_cache):
+        super().bind_kv_cache(kv_cache)
+        self.gluon_prefill = None  # decided at the first prefill step on this cache (gluon_usable)
 
     @staticmethod
     def _num_decode_programs(num_decodes: int) -> int:
