@@ -194,7 +194,6 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True  # launch shapes depend only on the batch size
     stages_float8_prefill = True
-    gluon_prefill: bool | None = None  # gluon_usable, once known for the bound cache
 
     def forward(self, layer, q, k, v, meta):
         if meta.is_decode:
@@ -235,8 +234,6 @@ class TritonBackend(AttentionBackend):
         the staging area (staged_tables), when they fit there (staging_plan)."""
         if plan.is_decode:
             return {}
-        if self.gluon_prefill is None:
-            self.gluon_prefill = self.gluon_usable()
         if self.gluon_prefill:
             from nanovllm.layers.attention.gluon_prefill import work_list
             return {"prefill_work": work_list(np.diff(plan.cu_seqlens_q))}
@@ -255,7 +252,7 @@ class TritonBackend(AttentionBackend):
 
     def bind_kv_cache(self, kv_cache):
         super().bind_kv_cache(kv_cache)
-        self.gluon_prefill = None  # decided at the first prefill step on this cache (gluon_usable)
+        self.gluon_prefill = self.gluon_usable()
 
     @staticmethod
     def _num_decode_programs(num_decodes: int) -> int:
