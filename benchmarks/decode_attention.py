@@ -45,7 +45,9 @@ def main():
         lens = torch.full((args.batch,), args.context, dtype=torch.int32, device="cuda")
         if args.varied:
             # longest first, as the scheduler orders decode steps
-            lens = torch.randint(100, 2 * args.context, (args.batch,), dtype=torch.int32, device="cuda").sort(descending=True).values
+            g = torch.Generator(device="cuda").manual_seed(args.batch)  # the same lengths in every run
+            lens = torch.randint(100, 2 * args.context, (args.batch,), dtype=torch.int32, device="cuda",
+                                 generator=g).sort(descending=True).values
             blocks_per_seq = -(-2 * args.context // block_size)
             num_blocks = args.batch * blocks_per_seq
             k = torch.randn((num_blocks, *shape[1:]), device="cuda", dtype=torch.bfloat16)
