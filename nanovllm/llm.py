@@ -92,25 +92,25 @@ class LLM:
         return [outputs[i] for i in ids]
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list
-        of them, each rendered by the tokenizer's chat template (or `chat_template`);
-        chat_template_kwargs go to the template (e.g. {"enable_thinking": False} for Qwen3).
-        ValueError when the model has no tokenizer or no chat template, or a message is not a dict
-        with "role" and "content" (some templates would drop it without a word)."""
+        of them, each rendered by the tokenizer's chat template (or `chat_template`); tools (JSON
+        schemas of functions) and chat_template_kwargs go to the template (e.g. {"enable_thinking":
+        False} for Qwen3). A content may also be a list of OpenAI-style text parts ({"type": "text",
+        "text": ...}), joined with newlines as vLLM does for templates that take strings.
+        ValueError when the model has no tokenizer or no chat template, a message is not a dict
+        with "role" and "content" (some templates would drop it without a word), or a content
+        part is not text (no multimodal input here)."""
         if self.tokenizer is None:
             raise ValueError("chat needs the model's tokenizer, and it has none")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        for i, conversation in enumerate(conversations):
-            for j, message in enumerate(conversation):
-                if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                    raise ValueError(f"conversation {i}, message {j}: a message is a dict with \"role\" and "
-                                     f"\"content\", got {message!r}")
+        conversations = [[_text_message(message, i, j) for j, message in enumerate(conversation)]
+                         for i, conversation in enumerate(conversations)]
         try:
             prompts = [self.tokenizer.apply_chat_template(
                 conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+                continue_final_message=continue_final_message, tools=tools, **(chat_template_kwargs or {}))
                 for conversation in conversations]
         except ValueError as e:  # transformers: no chat template
             raise ValueError(f"cannot apply the chat template: {e}") from None
@@ -123,3 +123,18 @@ class LLM:
         """Empty the prefix cache (e.g. between benchmark runs); False while requests hold blocks."""
         with self._lock:
             return self.engine.reset_prefix_cache()
+
+
+def _text_message(message, i: int, j: int) -> dict:
+    """Message j of conversation i, its content as one string if it came as a list of text parts."""
+    if not isinstance(message, dict) or "role" not in message or "content" not in message:
+        raise ValueError(f"conversation {i}, message {j}: a message is a dict with \"role\" and \"content\", "
+                         f"got {message!r}")
+    content = message["content"]
+    if not isinstance(content, list):
+        return message
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"conversation {i}, message {j}: content parts must be text, "
+                             f"{{\"type\": \"text\", \"text\": str}} (no multimodal input), got {part!r}")
+    return {**message, "content": "\n".join(part["text"] for part in content)}

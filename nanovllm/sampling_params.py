@@ -1,4 +1,5 @@
 """SamplingParams: how each request is completed; fields, defaults and meanings are vLLM's."""
+import copy
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -27,7 +28,8 @@ class SamplingParams:
     positive and multiplied when negative (Keskar et al. 2019, CTRL; as transformers).
     seed: the same seed, prompt and parameters give the same completion, whatever the batch.
     stop: strings that end the completion (cut from the text unless include_stop_str_in_output).
-    stop_token_ids: token ids that end it (kept in token_ids). ignore_eos: go on past EOS.
+    stop_token_ids: token ids that end it (kept in token_ids; their text, like EOS's, is left out of
+    text unless include_stop_str_in_output). ignore_eos: go on past EOS.
     max_tokens: most completion tokens (None: up to max_model_len). min_tokens: EOS and
     stop_token_ids are masked (and stop strings ignored) until this many were generated.
     logprobs: return the log-probabilities of the sampled token and this many top tokens per step.
@@ -73,6 +75,10 @@ class SamplingParams:
 
     def __post_init__(self):
         self.validate()
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's SamplingParams.clone), to change fields of without touching this one."""
+        return copy.deepcopy(self)
 
     def validate(self):
         """Raise ValueError naming the first field that is wrong and what it allows. Checks that

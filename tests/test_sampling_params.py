@@ -9,9 +9,8 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, LLMEngine, SamplingParams
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.sampling_params import RequestOutputKind
 from tests.conftest import hf_greedy, random_prompts
@@ -299,3 +298,48 @@ def test_stop_strings_cut_the_text(demo):
         assert out.finish_reason == "stop" and out.stop_reason == stop
         assert out.text == text[:text.index(stop) + (len(stop) if include else 0)]
         assert demo.tokenizer.decode(out.token_ids).startswith(text[:text.index(stop) + len(stop)])
+
+
+def test_stop_token_text_is_left_out_unless_asked_for(demo):
+    """As vLLM's detokenizer: a completion ended by one of stop_token_ids, or by EOS, keeps the
+    token in token_ids but not its text in text, unless include_stop_str_in_output."""
+    messages = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
+    free = demo.chat(messages, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    stop = next(t for t in free.token_ids[3:] if demo.tokenizer.decode([t]).strip())  # a token with visible text
+    first = free.token_ids.index(stop)
+    # text decoded at the end, or token by token (a stop string that never comes needs the latter)
+    for include, strings in ((False, None), (True, None), (False, ["zzz"]), (True, ["zzz"])):
+        out = demo.chat(messages, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop], stop=strings,
+                                                 include_stop_str_in_output=include), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == free.token_ids[:first + 1] and out.stop_reason == stop
+        assert out.text == demo.tokenizer.decode(out.token_ids if include else out.token_ids[:-1])
+    for strings in (None, ["zzz"]):
+        out = demo.chat([{"role": "user", "content": "Say hi."}], SamplingParams(
+            temperature=0, max_tokens=32, skip_special_tokens=False, stop=strings), use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason is None
+        assert demo.tokenizer.decode(out.token_ids[-1:], skip_special_tokens=False)  # EOS has text here
+        assert out.text == demo.tokenizer.decode(out.token_ids[:-1], skip_special_tokens=False)
+
+
+def test_chat_takes_text_parts_and_tools(demo):
+    """OpenAI-style content parts become one string (vLLM joins text parts with newlines); other
+    parts are refused by name; tools reach the template."""
+    params = SamplingParams(temperature=0, max_tokens=4)
+    plain = demo.chat([{"role": "user", "content": "Say hi.\nBriefly."}], params, use_tqdm=False)[0]
+    parts = demo.chat([{"role": "user", "content": [{"type": "text", "text": "Say hi."},
+                                                    {"type": "text", "text": "Briefly."}]}], params, use_tqdm=False)[0]
+    assert parts.prompt_token_ids == plain.prompt_token_ids and parts.token_ids == plain.token_ids
+    with pytest.raises(ValueError, match="conversation 0, message 0: content parts must be text"):
+        demo.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}], params,
+                  use_tqdm=False)
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    out = demo.chat([{"role": "user", "content": "Weather in Paris?"}], params, tools=[tool], use_tqdm=False)[0]
+    assert "get_weather" in out.prompt and "get_weather" not in plain.prompt
+
+
+def test_clone_is_a_deep_copy():
+    params = SamplingParams(stop=["a"], logit_bias={1: 2.0})
+    copy = params.clone()
+    copy.logit_bias[1] = 0.0
+    assert params.logit_bias == {1: 2.0} and copy == SamplingParams(stop=["a"], logit_bias={1: 0.0})

@@ -158,7 +158,9 @@ class Processor:
         if seq.detokenizer is not None:
             text = seq.detokenizer.text
         elif params.detokenize and self.tokenizer is not None:
-            text = self.tokenizer.decode(known, skip_special_tokens=params.skip_special_tokens,
+            by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)  # EOS or a stop id
+            text = self.tokenizer.decode(known[:-1] if by_token and not params.include_stop_str_in_output else known,
+                                         skip_special_tokens=params.skip_special_tokens,
                                          spaces_between_special_tokens=params.spaces_between_special_tokens)
         else:
             text = ""

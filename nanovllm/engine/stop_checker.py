@@ -6,7 +6,9 @@ from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset, max_model_len: int,
                new_text: str = "") -> tuple[str, int | str | None] | None:
     """(finish_reason, stop_reason) if `seq` ends with `token`, its newest known token, else None:
-    ("stop", None) for an EOS id (unless ignore_eos); ("stop", id) for one of stop_token_ids;
+    ("stop", None) for an EOS id (unless ignore_eos); ("stop", id) for one of stop_token_ids (the
+    token stays in token_ids, its text leaves the detokenized text unless
+    include_stop_str_in_output, as vLLM's detokenizer skips a stop token);
     ("stop", s) for a stop string s completed by new_text (the text the token added; the
     detokenized text is then cut, see cut_stop_string); ("length", None) once the completion
     holds max_tokens tokens or the sequence max_model_len. Before min_tokens completion tokens
@@ -16,9 +18,9 @@ def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset, max_model_le
     sp, num_completion_tokens = seq.sampling_params, len(seq.token_ids) - seq.num_prompt_tokens
     if token != PLACEHOLDER and num_completion_tokens >= sp.min_tokens:
         if not sp.ignore_eos and token in eos_token_ids:
-            return "stop", None
+            return _stop_token(seq, new_text, None)
         if sp.stop_token_ids and token in sp.stop_token_ids:
-            return "stop", token
+            return _stop_token(seq, new_text, token)
         if new_text and sp.stop_strings:
             found = find_stop_string(seq.detokenizer.text, len(new_text), sp.stop_strings)
             if found:
@@ -27,6 +29,14 @@ def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset, max_model_le
     if (sp.max_tokens is not None and num_completion_tokens >= sp.max_tokens) or len(seq.token_ids) >= max_model_len:
         return "length", None
     return None
+
+
+def _stop_token(seq: Sequence, new_text: str, stop_reason: int | None) -> tuple[str, int | None]:
+    """("stop", stop_reason) for a stop token, whose text (new_text) is taken off the end of the
+    completion's text unless include_stop_str_in_output."""
+    if new_text and not seq.sampling_params.include_stop_str_in_output:
+        seq.detokenizer.text = seq.detokenizer.text[:-len(new_text)]
+    return "stop", stop_reason
 
 
 def cut_stop_string(seq: Sequence, stop: str, start: int):
