@@ -141,7 +141,9 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
 def gumbel_noise(seeds: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Gumbel noise -log(-log(U)) [S, M] float32 of seeds [S] int64 (in [0, 2^31)) at token_ids
     [S, M] int64: U from the counter-based hash of (seed, token id) that the Gumbel-max kernel
-    uses (sampling_kernel.py), so a seeded row draws the same token on every path."""
+    uses (sampling_kernel.py), so a seeded row draws the same token on every path (the kernels'
+    noise, through the GPU's approximate log2, is within 8e-6 of this: candidates closer than that
+    may order differently)."""
     bits = _fmix32((token_ids * 0x9E3779B9 + _fmix32(seeds).unsqueeze(1)) & 0xFFFFFFFF)
     # 23 random bits, in (0, 1): with 24, (2^24 - 1 + 0.5) / 2^24 rounds to 1.0 in float32 and the
     # noise to +inf (one token in ~110 rows of Qwen's vocabulary drawn whatever its logit)
