@@ -19,23 +19,27 @@ HARDWARE_LOG2 = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")  # on a 
 
 
 @triton.jit
-def gumbel_max_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, max_ptr, index_ptr, vocab_size, offset,
-                      CHUNK: tl.constexpr, SUB: tl.constexpr):
+def gumbel_max_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, max_ptr, index_ptr, max_y_ptr, vocab_size, offset,
+                      MAX_Y: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr):
     """Grid (num_rows, num_chunks): the max over one CHUNK of the row's first vocab_size logits of
     logits / T + Gumbel noise (logits where T == 0) and its first token id, written to max/index
     [num_rows, num_chunks]; column c holds token offset + c (a tensor-parallel rank's vocabulary
     shard), whose noise it draws. Works in base 2 (a positive scale and a constant shift leave the
-    argmax unchanged): x * log2(e) / T - log2(-log2(U))."""
+    argmax unchanged): x * log2(e) / T - log2(-log2(U)). MAX_Y: also the chunk's largest x * log2(e) / T
+    (to max_y), for the nucleus draw."""
     row, chunk = tl.program_id(0), tl.program_id(1)
     temperature = tl.load(temperatures_ptr + row)
     seed = _fmix32(tl.load(seeds_ptr + row).to(tl.uint32))
     scale = 1.4426950408889634 / tl.where(temperature > 0, temperature, 1.0)
     best = tl.full([SUB], float("-inf"), tl.float32)
     best_index = tl.zeros([SUB], tl.int32)
+    max_y = tl.full([SUB], float("-inf"), tl.float32)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
     for start in range(chunk * CHUNK, tl.minimum(vocab_size, (chunk + 1) * CHUNK), SUB):
         offs = start + tl.arange(0, SUB)
         x = _scaled_logits(row_ptr, offs, vocab_size, scale)
+        if MAX_Y:
+            max_y = tl.maximum(max_y, x)
         if temperature > 0:
             x = x + _gumbel2(offs + offset, seed)
         take = x > best
@@ -45,6 +49,8 @@ def gumbel_max_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, max_ptr, 
     out = row * tl.num_programs(1) + chunk
     tl.store(max_ptr + out, top)
     tl.store(index_ptr + out, tl.min(tl.where(best == top, best_index, vocab_size), 0).to(tl.int64) + offset)
+    if MAX_Y:
+        tl.store(max_y_ptr + out, tl.max(max_y, 0))
 
 
 @triton.jit
@@ -100,17 +106,18 @@ CHUNK = 8192  # vocabulary entries per program: 19 programs per row for Qwen's 1
 
 
 def gumbel_max_candidates(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, offset: int = 0,
-                          width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          width: int | None = None, max_y: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each CHUNK's best of logits [N, W] (any float dtype; column c is token offset + c, the
     first `width` columns real): (maxima [N, cdiv(W, CHUNK)] float32 of x / T + G in base 2, or
     of x where T == 0; their token ids, int64, the first on ties). temperatures [N] float32, seeds
-    [N] int32. A chunk with no real column gives -inf."""
+    [N] int32. A chunk with no real column gives -inf. max_y: written with each chunk's largest
+    x / T in base 2 (x where T == 0), if given ([N, cdiv(W, CHUNK)] float32)."""
     rows, chunks = logits.size(0), triton.cdiv(logits.size(1), CHUNK)
     maxima = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     indices = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
     gumbel_max_kernel[(rows, chunks)](logits, logits.stride(0), temperatures, seeds, maxima, indices,
-                                      logits.size(1) if width is None else width, offset, CHUNK=CHUNK, SUB=1024,
-                                      num_warps=4)
+                                      maxima if max_y is None else max_y, logits.size(1) if width is None else width,
+                                      offset, MAX_Y=max_y is not None, CHUNK=CHUNK, SUB=1024, num_warps=4)
     return maxima, indices
 
 
@@ -121,7 +128,8 @@ def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seeds: t
 
 
 @triton.jit
-def nucleus_sample_kernel(logits_ptr, stride, temperatures_ptr, top_p_ptr, min_p_ptr, seeds_ptr, out_ptr, vocab_size,
+def nucleus_sample_kernel(logits_ptr, stride, temperatures_ptr, top_p_ptr, min_p_ptr, seeds_ptr, cand_ptr,
+                          cand_index_ptr, max_y_ptr, out_ptr, vocab_size, num_chunks, CHUNKS: tl.constexpr,
                           BLOCK: tl.constexpr):
     """Grid (num_rows,): one token per row from softmax(x / T) restricted to min_p's and top_p's
     set N (logits where T == 0), with no sort of the vocabulary. The draw is the Gumbel-max
@@ -132,27 +140,35 @@ def nucleus_sample_kernel(logits_ptr, stride, temperatures_ptr, top_p_ptr, min_p
     the most probable token is in N, so the loop ends, after at most 1 / top_p rounds on
     average (the argmax falls in N with probability mass(N) >= top_p; FlashInfer's rejection
     sampling has the same bound). N: min_p keeps p >= min_p * p_max, then top_p keeps the tokens
-    whose more probable tokens (of those) hold less than top_p. Base 2 as gumbel_max_kernel."""
+    whose more probable tokens (of those) hold less than top_p. Base 2 as gumbel_max_kernel.
+    The first round's argmax over the whole row, and the row's largest x / T, come from
+    gumbel_max_kernel's num_chunks (<= CHUNKS) chunk candidates cand, cand_index and max_y
+    [num_rows, num_chunks], which many programs per row compute; if that argmax is below min_p's
+    floor, the first round is redone here with the floor."""
     row = tl.program_id(0)
     temperature, top_p, min_p = tl.load(temperatures_ptr + row), tl.load(top_p_ptr + row), tl.load(min_p_ptr + row)
     seed = _fmix32(tl.load(seeds_ptr + row).to(tl.uint32))
     scale = 1.4426950408889634 / tl.where(temperature > 0, temperature, 1.0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
-    top = tl.full([BLOCK], float("-inf"), tl.float32)
-    for start in range(0, vocab_size, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        top = tl.maximum(top, _scaled_logits(row_ptr, offs, vocab_size, scale))
-    top = tl.max(top, 0)
+    offs_c = row * num_chunks + tl.arange(0, CHUNKS)
+    chunk_mask = tl.arange(0, CHUNKS) < num_chunks
+    top = tl.max(tl.load(max_y_ptr + offs_c, mask=chunk_mask, other=float("-inf")), 0)
+    cand = tl.load(cand_ptr + offs_c, mask=chunk_mask, other=float("-inf"))
+    choice = tl.min(tl.where(cand == tl.max(cand, 0), tl.load(cand_index_ptr + offs_c, mask=chunk_mask, other=0),
+                             vocab_size), 0).to(tl.int32)
+    pivot = tl.load(row_ptr + choice).to(tl.float32) * scale
     floor = tl.where(min_p > 0, top + tl.log2(tl.maximum(min_p, 1e-30)), float("-inf"))  # p / p_max >= min_p
     total = tl.zeros([BLOCK], tl.float32)
+    above = tl.zeros([BLOCK], tl.float32)
     for start in range(0, vocab_size, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         y = _scaled_logits(row_ptr, offs, vocab_size, scale)
-        total += tl.where(y >= floor, tl.exp2(y - top), 0.0)
+        p = tl.where(y >= floor, tl.exp2(y - top), 0.0)
+        total += p
+        above += tl.where(y > pivot, p, 0.0)
     total = tl.sum(total, 0)
-    pivot = float("-inf")
-    choice = 0
-    accepted = 0
+    accepted = ((pivot >= floor) & ((top_p >= 1.0) | (tl.sum(above, 0) < top_p * total))).to(tl.int32)
+    pivot = tl.where(pivot >= floor, pivot, float("-inf"))  # below the floor: the first round again, in N
     while accepted == 0:
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         best_index = tl.zeros([BLOCK], tl.int32)
@@ -183,13 +199,17 @@ def nucleus_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_p: torc
                    min_p: torch.Tensor | None, seeds: torch.Tensor) -> torch.Tensor:
     """logits [N, vocab] (any float dtype), temperatures [N] float32 (0: argmax), top_p and min_p
     [N] float32 or None (off), seeds [N] int32 -> token ids [N] int64, drawn from min_p's and
-    top_p's set as Sampler's sorted path draws (nucleus_sample_kernel). One program per row
-    reads the logits 2 + 2 x rounds times."""
+    top_p's set as Sampler's sorted path draws (nucleus_sample_kernel). The first round's argmax
+    comes from the Gumbel-max kernel's chunks (19 programs a row); then one program per row reads
+    the logits once, plus twice per further round."""
     rows = logits.size(0)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     top_p = top_p if top_p is not None else torch.ones(rows, device=logits.device)
     min_p = min_p if min_p is not None else torch.zeros(rows, device=logits.device)
-    nucleus_sample_kernel[(rows,)](logits, logits.stride(0), temperatures, top_p, min_p, seeds, out, logits.size(1),
+    max_y = torch.empty(rows, triton.cdiv(logits.size(1), CHUNK), dtype=torch.float32, device=logits.device)
+    cand, cand_index = gumbel_max_candidates(logits, temperatures, seeds, max_y=max_y)
+    nucleus_sample_kernel[(rows,)](logits, logits.stride(0), temperatures, top_p, min_p, seeds, cand, cand_index, max_y,
+                                   out, logits.size(1), max_y.size(1), CHUNKS=triton.next_power_of_2(max_y.size(1)),
                                    BLOCK=4096, num_warps=8)
     return out
 
