@@ -52,7 +52,7 @@ def measure_matmul_flops(device, fp8: bool = False) -> float:
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     product = lambda: a @ b  # noqa: E731
     if fp8:
-        from nanovllm.layers.fp8 import fp8_linear, quantize_fp8
+        from nanovllm.kernels.fp8 import fp8_linear, quantize_fp8
         w, scale = quantize_fp8(b)
         product = lambda: fp8_linear(a, w, scale)  # noqa: E731
     for _ in range(3):

@@ -8,7 +8,7 @@ import torch
 from triton.testing import do_bench
 
 from bench import measure_bandwidth
-from nanovllm.layers.fp8 import quantize_fp8
+from nanovllm.kernels.fp8 import quantize_fp8
 from nanovllm.layers.attention.triton_backend import DECODE_BLOCK_N, decode_attention
 
 

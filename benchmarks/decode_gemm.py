@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from nanovllm.layers import linear as linear_mod
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear, norm_linear
-from nanovllm.layers.skinny_gemm import silu_and_mul_rows, skinny_config, skinny_linear
-from nanovllm.parallel.state import TensorParallel
+from nanovllm.kernels.skinny_gemm import silu_and_mul_rows, skinny_config, skinny_linear
+from nanovllm.distributed.state import TensorParallel
 
 HIDDEN, Q, KV, INTER = 1024, 2048, 1024, 3072
 SHAPES = {"qkv_proj": (Q + 2 * KV, HIDDEN), "o_proj": (HIDDEN, Q), "gate_up_proj": (2 * INTER, HIDDEN),

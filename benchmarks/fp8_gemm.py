@@ -15,8 +15,8 @@ import torch.nn.functional as F
 import triton
 from decode_gemm import LAYERS, time_graph
 
-from nanovllm.layers.fp8 import quantize_fp8
-from nanovllm.layers.fp8_kernel import fp8_weight_gemm, quantize_rows
+from nanovllm.kernels.fp8 import quantize_fp8
+from nanovllm.kernels.fp8_gemm import fp8_weight_gemm, quantize_rows
 
 SHAPES = {"qwen3-8b": {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (24576, 4096),
                        "down_proj": (4096, 12288)},

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from decode_gemm import LAYERS, time_graph
 from fp8_gemm import SHAPES
 
-from nanovllm.layers.activation import silu_and_mul
-from nanovllm.layers.fp8 import quantize_fp8
-from nanovllm.layers.fp8_kernel import fp8_weight_gemm
-from nanovllm.layers.gemv import gemv, norm_gemv
+from nanovllm.kernels.activation import silu_and_mul
+from nanovllm.kernels.fp8 import quantize_fp8
+from nanovllm.kernels.fp8_gemm import fp8_weight_gemm
+from nanovllm.kernels.gemv import gemv, norm_gemv
 from nanovllm.layers.layernorm import RMSNorm
 
 SWEEP = list(itertools.product([1, 2, 4, 8], [512, 1024, 2048], [4, 8], [3, 4]))  # (BLOCK_N, BLOCK_K, warps, stages)

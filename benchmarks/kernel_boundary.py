@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from decode_gemm import LAYERS, time_graph
 
-from nanovllm.layers.pdl import pdl_args, pdl_start
+from nanovllm.kernels.pdl import pdl_args, pdl_start
 
 
 @triton.jit

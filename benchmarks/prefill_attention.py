@@ -11,7 +11,7 @@ import torch
 from triton.testing import do_bench
 
 from nanovllm.layers.attention.triton_backend import dequantize_blocks, prefill_attention
-from nanovllm.layers.fp8 import quantize_fp8
+from nanovllm.kernels.fp8 import quantize_fp8
 
 
 def main():

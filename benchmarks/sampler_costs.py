@@ -5,8 +5,8 @@ import argparse
 import torch
 from triton.testing import do_bench
 
-from nanovllm.layers.sampler import Sampler, SamplingTensors, token_logprobs
-from nanovllm.layers.sampling_kernel import chunked_topk, logsumexp_and_rank
+from nanovllm.sampling.sampler import Sampler, SamplingTensors, token_logprobs
+from nanovllm.kernels.sampling import chunked_topk, logsumexp_and_rank
 
 
 def main():

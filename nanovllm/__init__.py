@@ -1,6 +1,6 @@
 from nanovllm.outputs import RequestOutput
 from nanovllm.llm import LLM
-from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.executor.llm_engine import LLMEngine
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput"]

@@ -12,8 +12,7 @@ import torch
 
 from nanovllm.layers.attention import BACKENDS
 from nanovllm.loader.source import (LOAD_FORMATS, load_tokenizer, read_generation_defaults, read_hf_config,
-                                    resolve_path, safetensors_files)
-from nanovllm.models.registry import model_class
+                                    resolve_path)
 
 DTYPES = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
           "float": torch.float32}
@@ -99,9 +98,6 @@ class Config:
         args._validate()
         path, load_format = resolve_path(args.model, args.load_format)
         hf_config = read_hf_config(path, load_format, args.trust_remote_code)
-        model_class(hf_config)  # an unsupported architecture fails before anything is loaded
-        if load_format == "safetensors":
-            safetensors_files(path)  # and so do missing weights
         _check_tensor_parallel(hf_config, args.tensor_parallel_size)
         device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                               else "cpu" if args.device == "auto" else args.device)
@@ -232,6 +228,8 @@ def _check_tensor_parallel(hf_config, tp_size: int):
     """Raise ValueError unless the model splits evenly over tp_size ranks: query heads and the
     intermediate size divisible by it, and KV heads either divisible by it or dividing it (then
     each KV head is replicated on tp_size / num_key_value_heads ranks)."""
+    if tp_size == 1:
+        return
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     if heads % tp_size or hf_config.intermediate_size % tp_size or (kv_heads % tp_size and tp_size % kv_heads):
         raise ValueError(f"tensor_parallel_size={tp_size} does not split this model: it needs to divide "

@@ -7,7 +7,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.base import EngineBase
-from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.executor.llm_engine import LLMEngine, check_model
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -20,11 +20,12 @@ class LLM:
 
     def __init__(self, model: str, **engine_args):
         self.config = Config.create(model, **engine_args)
+        check_model(self.config)
         if self.config.distributed_executor_backend == "ray":
-            from nanovllm.parallel.ray_replicas import RayDataParallelEngine
+            from nanovllm.executor.ray_replicas import RayDataParallelEngine
             self.engine: EngineBase = RayDataParallelEngine(self.config)
         elif self.config.data_parallel_size > 1:
-            from nanovllm.parallel.data_parallel import DataParallelEngine
+            from nanovllm.executor.data_parallel import DataParallelEngine
             self.engine = DataParallelEngine(self.config)
         else:
             self.engine = LLMEngine(self.config)

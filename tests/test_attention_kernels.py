@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 from nanovllm.layers.attention.base import AttentionMetadata  # noqa: E402
-from nanovllm.layers.fp8 import quantize_fp8  # noqa: E402
+from nanovllm.kernels.fp8 import quantize_fp8  # noqa: E402
 from nanovllm.layers.attention.torch_backend import paged_attention_reference  # noqa: E402
 from nanovllm.layers.attention.triton_backend import (decode_attention, dequantize_blocks,  # noqa: E402
                                                       prefill_attention, staging_plan)
@@ -163,7 +163,7 @@ def test_prefill_kernel_rotates_q_inside(dtype, block_size, group, head_dim, nor
     """new_q: the kernel norms and rotates its q tiles (and decode programs their heads) at each
     query's position (its index in the sequence); the output must be the float32 attention with
     qk_norm_rope's q, and q not written."""
-    from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope
+    from nanovllm.kernels.qk_norm_rope import qk_norm_rope
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
     gen = torch.Generator().manual_seed(group * head_dim + 2 * norm + fp8)
     q, k, v, tables, kv_scales, cu_q, lens, positions = prefill_batch(dtype, block_size, group, head_dim, fp8, gen,
@@ -185,7 +185,7 @@ HOPPER = CUDA and torch.cuda.get_device_capability() == (9, 0)
 def test_gluon_work_list():
     """Each prefilling sequence's 64-row q tiles from the last down, sequences in order; each
     decoding one (one new token, anywhere in the step) once as (sequence, -1), spread among them."""
-    from nanovllm.layers.attention.gluon_prefill import work_list
+    from nanovllm.kernels.gluon_prefill import work_list
     assert work_list(np.array([1, 300, 1, 64, 65, 1])).tolist() == [
         [0, -1], [1, 4], [1, 3], [1, 2], [2, -1], [1, 1], [1, 0], [3, 0], [5, -1], [4, 1], [4, 0]]
     assert work_list(np.array([1, 1])).tolist() == [[0, -1], [1, -1]]
@@ -206,8 +206,8 @@ def test_gluon_prefill_kernel(dtype, block_size, group, norm):
     prompts, contexts of 1 to 3001, prefix hits, tiles past a block, whole and partial q tiles),
     q a strided view of a packed qkv as the model passes it: the float32 attention of
     qk_norm_rope's q, into a NaN-poisoned output, and q not written."""
-    from nanovllm.layers.attention import gluon_prefill
-    from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope
+    from nanovllm.kernels import gluon_prefill
+    from nanovllm.kernels.qk_norm_rope import qk_norm_rope
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
     gen = torch.Generator().manual_seed(group + 3 * norm)
     shapes = [(700, 1), (0, 1), (3000, 1), (64, 1), (0, 77), (130, 35), (2000, 1000), (0, 1), (17, 200), (127, 1),
@@ -278,7 +278,7 @@ def test_decode_kernel_with_the_new_token_inside(dtype, block_size, group, head_
     """new_token: the kernel norms and rotates q and k and stores k, v itself; the cache must equal
     what qk_norm_rope stores (bit for bit) and the output the float32 attention over that cache
     with qk_norm_rope's q. Also a padding row (context 0, slot -1): zeros, nothing stored."""
-    from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope
+    from nanovllm.kernels.qk_norm_rope import qk_norm_rope
     from nanovllm.layers.rotary_embedding import RotaryEmbedding
     gen = torch.Generator().manual_seed(group * head_dim + 2 * norm + fp8)
     num_kv_heads, max_len = 2, (1500 if CUDA else 40)

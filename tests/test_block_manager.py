@@ -4,7 +4,7 @@ import pytest
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
 

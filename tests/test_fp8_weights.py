@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.fp8 import FP8_MAX, dequantize_blocks, fp8_linear, quantize_fp8
+from nanovllm.kernels.fp8 import FP8_MAX, dequantize_blocks, fp8_linear, quantize_fp8
 from tests.conftest import random_prompts
 
 E4M3 = torch.float8_e4m3fn
@@ -59,7 +59,7 @@ def test_quantize_rows_kernel_writes_quantize_fp8s_bytes(dtype):
     alike), on awkward widths, a zero row, values that land on e4m3's subnormals and its largest
     values, and a strided input."""
     pytest.importorskip("triton")
-    from nanovllm.layers.fp8_kernel import quantize_rows
+    from nanovllm.kernels.fp8_gemm import quantize_rows
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(2)
     for n in (3, 100, 1000, 4097):
@@ -81,7 +81,7 @@ def test_fp8_weight_gemm_kernel():
     bfloat16 as integers) against x times the dequantized weights in float64, to the float16
     output's rounding, on awkward sizes: partial tiles in M, N and K, and rows of x 2k apart."""
     pytest.importorskip("triton")
-    from nanovllm.layers.fp8_kernel import fp8_weight_gemm
+    from nanovllm.kernels.fp8_gemm import fp8_weight_gemm
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(3)
     for m, n, k in ((1, 48, 80), (5, 100, 272), (37, 33, 130)):
@@ -99,8 +99,8 @@ def test_compiled_norm_and_gate_quantize_as_eager():
     (the norm or gate in bf16, then quantize_fp8): the residual sum exact; each dequantized value
     within one e4m3 step of the eager one (the compiled norm may round its bf16 output an ulp
     apart, which can move a value across a rounding boundary or the row's scale by 2^-7)."""
-    from nanovllm.layers.activation import swiglu
-    from nanovllm.layers.fp8 import rms_norm_fp8, swiglu_fp8
+    from nanovllm.kernels.activation import swiglu
+    from nanovllm.kernels.fp8 import rms_norm_fp8, swiglu_fp8
     from nanovllm.layers.layernorm import rms_norm
     g = torch.Generator().manual_seed(5)
     for rows, k in ((17, 1000), (300, 4096)):

@@ -7,8 +7,8 @@ import triton.language as tl  # noqa: E402
 from nanovllm.engine.kv_cache import KVCacheSpec  # noqa: E402
 from nanovllm.layers.attention.torch_backend import TorchBackend  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
-from nanovllm.layers.fp8_kernel import _round_to_e4m3  # noqa: E402
-from nanovllm.layers.qk_norm_rope_kernel import qk_norm_rope, rope_store_kv  # noqa: E402
+from nanovllm.kernels.fp8_gemm import _round_to_e4m3  # noqa: E402
+from nanovllm.kernels.qk_norm_rope import qk_norm_rope, rope_store_kv  # noqa: E402
 from nanovllm.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -133,7 +133,7 @@ def test_all_reduce_rms_norm_kernel(dtype, rows, k, rank, has_residual, meet):
     wrongly): the residual sum exact, the output within two roundings (the normalised value's and
     the weight product's) of the float32 norm of that sum, the peer's flag set and this rank's
     consumed; without the meeting (flags None) the same values."""
-    from nanovllm.parallel.all_reduce_norm_kernel import all_reduce_rms_norm_2
+    from nanovllm.kernels.all_reduce_norm import all_reduce_rms_norm_2
     g = torch.Generator().manual_seed(rows * k + rank)
     own, peer, res = (torch.randn(rows, k, generator=g).to(DEVICE, dtype) for _ in range(3))
     w = torch.randn(k, generator=g).to(DEVICE, dtype)

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from nanovllm.layers.activation import silu_and_mul  # noqa: E402
-from nanovllm.layers.fp8 import quantize_fp8  # noqa: E402
+from nanovllm.kernels.activation import silu_and_mul  # noqa: E402
+from nanovllm.kernels.fp8 import quantize_fp8  # noqa: E402
 from nanovllm.layers import skinny_gemm  # noqa: E402
-from nanovllm.layers.gemv import gemv, norm_gemv  # noqa: E402
+from nanovllm.kernels.gemv import gemv, norm_gemv  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
 from nanovllm.layers.linear import ColumnParallelLinear, few_rows, linear, norm_linear  # noqa: E402
-from nanovllm.layers.skinny_gemm import rms_norm_rows, silu_and_mul_rows, skinny_linear  # noqa: E402
-from nanovllm.parallel.state import TensorParallel  # noqa: E402
+from nanovllm.kernels.skinny_gemm import rms_norm_rows, silu_and_mul_rows, skinny_linear  # noqa: E402
+from nanovllm.distributed.state import TensorParallel  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -178,7 +178,7 @@ def test_fp8_linear_on_the_gpu(m):
     above, torch._scaled_mm with row-wise scales, equal to the same quantized operands in
     float64 (both to the bf16 output's rounding, 2^-8); and both within e4m3's error bound of the
     unquantized product (test_fp8_weights._bound)."""
-    from nanovllm.layers.fp8 import MAX_W8A16_ROWS, fp8_linear, quantize_fp8
+    from nanovllm.kernels.fp8 import MAX_W8A16_ROWS, fp8_linear, quantize_fp8
     from tests.test_fp8_weights import _bound
     g = torch.Generator("cuda").manual_seed(m)
     x = (torch.randn(m, 1024, device="cuda", generator=g) * torch.logspace(-2, 1, 1024, device="cuda")).bfloat16()

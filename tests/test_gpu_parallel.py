@@ -43,9 +43,9 @@ def test_tensor_parallel_8b_matches_one_gpu():
 def _row_parallel_rank(rank: int, store_path: str):
     from nanovllm.layers.layernorm import RMSNorm
     from nanovllm.layers.linear import RowParallelLinear, linear
-    from nanovllm.parallel.process_group import (SEND_CHUNK_MIN_ROWS, SEND_CHUNKS, all_reduce_rms_norm,
+    from nanovllm.distributed.process_group import (SEND_CHUNK_MIN_ROWS, SEND_CHUNKS, all_reduce_rms_norm,
                                                  init_process_group, leave_process_group, partial_sums_buffer)
-    from nanovllm.parallel.state import TensorParallel
+    from nanovllm.distributed.state import TensorParallel
     device, dtype = torch.device("cuda", rank), torch.bfloat16
     torch.cuda.set_device(device)
     init_process_group(rank, 2, store_path, device, (256, 4100, 1024), dtype)

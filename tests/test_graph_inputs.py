@@ -5,8 +5,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from nanovllm.engine.graph_inputs import write_graph_inputs  # noqa: E402
-from nanovllm.engine.sequence import PLACEHOLDER  # noqa: E402
+from nanovllm.kernels.graph_inputs import write_graph_inputs  # noqa: E402
+from nanovllm.sequence import PLACEHOLDER  # noqa: E402
 from nanovllm.layers.attention.base import AttentionMetadata  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,7 +49,7 @@ def test_graph_inputs_match_the_torch_copies(n, batch_size, width, num_pending):
     ref_meta.context_lens[:n] = meta.context_lens
     ref_meta.block_tables[:n, :width] = meta.block_tables
 
-    write_graph_inputs(batch_size, ids, pending if num_pending else None, sampled, meta, graph_ids, graph_meta)
+    write_graph_inputs(batch_size, ids, pending if num_pending else None, sampled, meta, graph_ids, graph_meta, PLACEHOLDER)
     assert torch.equal(graph_ids[:n], ref_ids[:n]) and torch.equal(graph_ids[batch_size:], ref_ids[batch_size:])
     assert (graph_ids[:n] != PLACEHOLDER).all()
     for name in ("positions", "slot_mapping", "context_lens", "block_tables"):

@@ -15,7 +15,7 @@ import pytest
 
 import nanovllm
 from nanovllm import LLM, SamplingParams
-from nanovllm.parallel.data_parallel import DataParallelEngine
+from nanovllm.executor.data_parallel import DataParallelEngine
 from tests.conftest import make_tiny_model, random_prompts
 
 ARGS = dict(device="cpu", kvcache_block_size=16, max_model_len=128, max_num_batched_tokens=48)
@@ -94,7 +94,7 @@ def test_router_balances_kv_reads():
     """Requests go to the replica with the least outstanding KV reads, largest first: a short prompt
     with a long output outweighs a long prompt with a short one (their prompt + max_tokens are equal)."""
     from nanovllm.config import Config
-    from nanovllm.parallel.replica_router import ReplicaRouter
+    from nanovllm.executor.replica_router import ReplicaRouter
 
     class Recording(ReplicaRouter):  # the transport is all that is left out
         abort_all_requests = reset_prefix_cache = None
@@ -249,7 +249,7 @@ def test_worker_progress_bars_leak_no_semaphore(tmp_path, lock):
         "import multiprocessing as mp, os\n"
         "def child():\n"
         f"    if {lock}:\n"
-        "        from nanovllm.parallel.tp_workers import process_local_progress_lock\n"
+        "        from nanovllm.executor.tp_workers import process_local_progress_lock\n"
         "        process_local_progress_lock()\n"
         "    from tqdm import tqdm\n"
         "    for _ in tqdm(range(2), disable=False): pass\n"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.sampler import token_logprobs
+from nanovllm.sampling.sampler import token_logprobs
 from nanovllm.loader.demo import demo_model_path
 
 QUESTIONS = ["Write a Python function that checks whether a number is prime.",

@@ -1,13 +1,13 @@
 import pytest
 import torch
 
-from nanovllm.layers.sampler import Sampler, SamplingTensors, gumbel_noise
+from nanovllm.sampling.sampler import Sampler, SamplingTensors, gumbel_noise
 
 try:
     import triton
     import triton.language as tl
 
-    from nanovllm.layers.sampling_kernel import gumbel2_at
+    from nanovllm.kernels.sampling import gumbel2_at
 
     @triton.jit
     def noise_kernel(k_ptr, out_ptr, n, BLOCK: tl.constexpr):
@@ -113,7 +113,7 @@ def test_gumbel_max_kernel_samples_the_softmax():
     """The one-pass Triton sampler (Triton's interpreter without CUDA) draws from softmax(x / T)
     and takes the argmax where T == 0."""
     pytest.importorskip("triton")
-    from nanovllm.layers.sampling_kernel import gumbel_max_sample
+    from nanovllm.kernels.sampling import gumbel_max_sample
     device = "cuda" if torch.cuda.is_available() else "cpu"
     n = 600 if device == "cpu" else 100000  # the interpreter runs one program per row
     row = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5])
@@ -146,7 +146,7 @@ def test_gumbel_noise_is_finite_at_the_largest_hash():
     seeds, token_ids = torch.tensor([148]), torch.tensor([[14809]])
     assert torch.isfinite(gumbel_noise(seeds, token_ids)).all()
     pytest.importorskip("triton")
-    from nanovllm.layers.sampling_kernel import gumbel_max_sample
+    from nanovllm.kernels.sampling import gumbel_max_sample
     device = "cuda" if torch.cuda.is_available() else "cpu"
     logits = torch.zeros(1, 16384, device=device)
     logits[0, 14809] = -1e4  # must never be drawn
@@ -179,10 +179,10 @@ def test_vocabulary_shards_draw_the_whole_rows_token(path):
     """Tensor parallelism's draw: the candidates of each vocabulary shard (the last one padded
     with columns that must not count), merged by first_max, are the Gumbel-max draw over whole
     rows: the same noise per token id, greedy rows' first maximum across shards."""
-    from nanovllm.layers.sampler import first_max, shard_candidates
+    from nanovllm.sampling.sampler import first_max, shard_candidates
     if path == "kernel":
         pytest.importorskip("triton")
-        from nanovllm.layers.sampling_kernel import gumbel_max_candidates as candidates, gumbel_max_sample
+        from nanovllm.kernels.sampling import gumbel_max_candidates as candidates, gumbel_max_sample
     device = "cuda" if path == "kernel" and torch.cuda.is_available() else "cpu"
     vocab, shards = 20000, 3
     width = -(-vocab // shards)
@@ -226,7 +226,7 @@ def test_topk_kernel_draws_what_the_sorted_path_draws():
     interpreter without CUDA): every row seeded, so each must draw the sorted path's very token,
     with min_p and top_p too; greedy rows the argmax, also where two logits tie."""
     pytest.importorskip("triton")
-    from nanovllm.layers.sampling_kernel import topk_sample
+    from nanovllm.kernels.sampling import topk_sample
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = logits(n=5, vocab=3001, seed=10)
     x[2, 17] = x[2, 2999] = x[2].max() + 1  # a greedy row with a tie: the first index
@@ -271,7 +271,7 @@ def test_logsumexp_and_rank_kernel(dtype):
     """The one-pass logprob kernel (Triton's interpreter without CUDA) against float32 torch, on a
     vocabulary of several chunks with a ragged end, -inf entries and ties with the token's logit."""
     pytest.importorskip("triton")
-    from nanovllm.layers.sampling_kernel import logsumexp_and_rank
+    from nanovllm.kernels.sampling import logsumexp_and_rank
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = (torch.randn(3, 17001, generator=torch.Generator().manual_seed(9)) * 4).to(device, dtype)
     x[0, :9000] = float("-inf")  # a whole chunk of -inf and part of the next
@@ -292,7 +292,7 @@ def test_chunked_topk_kernel(k, vocab):
     threshold from the chunk maxima), a last chunk shorter than k, ties at the top across chunks,
     a row mostly -inf, and a bf16 row."""
     pytest.importorskip("triton")
-    from nanovllm.layers.sampling_kernel import chunked_topk
+    from nanovllm.kernels.sampling import chunked_topk
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(4, vocab, generator=torch.Generator().manual_seed(k)) * 3
     x[1, 100:110] = x[1, 3000:3005] = x[1, 4100] = 9.0  # 16 equal maxima over three chunks
@@ -316,7 +316,7 @@ def test_nucleus_kernel_draws_what_the_sorted_path_draws():
     seeded rows draw the sorted path's very token (the same noise, argmax over the same set),
     greedy rows the argmax; unseeded, the frequencies follow the renormalised nucleus."""
     pytest.importorskip("triton")
-    from nanovllm.layers.sampling_kernel import nucleus_sample
+    from nanovllm.kernels.sampling import nucleus_sample
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = logits(n=5, vocab=9001, seed=9).to(device)  # three blocks of 4,096, the last partial
     temps = torch.tensor([0.7, 1.3, 0.0, 1.0, 2.0], device=device)
@@ -349,8 +349,8 @@ def test_penalty_kernel_equals_the_torch_penalties():
     torch, on a vocabulary of two blocks (the last partial), with and without the prompt mask,
     counts read through count_rows, and a row without penalties left bit for bit."""
     pytest.importorskip("triton")
-    from nanovllm.layers.logits_processors import apply_penalties
-    from nanovllm.layers.penalty_kernel import apply_penalties_kernel
+    from nanovllm.sampling.logits_processors import apply_penalties
+    from nanovllm.kernels.penalty import apply_penalties_kernel
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(11)
     vocab = 5001

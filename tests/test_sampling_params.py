@@ -11,7 +11,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from nanovllm import LLM, LLMEngine, SamplingParams
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.sampling.sampler import Sampler, SamplingTensors
 from nanovllm.sampling_params import RequestOutputKind
 from tests.conftest import hf_greedy, random_prompts
 

@@ -10,7 +10,7 @@ from collections import OrderedDict
 
 import xxhash
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.sequence import Sequence
 
 
 class Block:

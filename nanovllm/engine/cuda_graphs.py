@@ -6,7 +6,8 @@ a step at one sequence, NOTES.md 2026-11-24, third session), and writes a step's
 metadata into the static buffers before each replay (graph_inputs.py: one kernel)."""
 import torch
 
-from nanovllm.engine.graph_inputs import write_graph_inputs
+from nanovllm.kernels.graph_inputs import write_graph_inputs
+from nanovllm.sequence import PLACEHOLDER
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 
 
@@ -57,6 +58,7 @@ class CUDAGraphRunner:
         logits [n, vocab_shard]), views of static buffers that the next replay overwrites.
         input_ids, pending, sampled: as graph_inputs.write_graph_inputs takes them."""
         n = input_ids.size(0)
-        write_graph_inputs(batch_size, input_ids, pending, sampled, meta, self.input_ids, self.backend.graph_meta)
+        write_graph_inputs(batch_size, input_ids, pending, sampled, meta, self.input_ids, self.backend.graph_meta,
+                           PLACEHOLDER)
         self.graphs[batch_size].replay()
         return self.outputs[:n], self.logits[:n]

@@ -12,19 +12,19 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.engine.kv_cache import KVCacheSpec, num_kv_blocks
-from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.sampling_inputs import TokenCounts, sampling_tensors
+from nanovllm.sequence import Sequence
+from nanovllm.sampling.inputs import TokenCounts, sampling_tensors
 from nanovllm.engine.step_inputs import Stager, StepPlan, plan_step
 from nanovllm.engine.trace import region
 from nanovllm.layers.attention import Attention, make_backend
 from nanovllm.layers.linear import quantize_weights
-from nanovllm.layers.sampler import (Sampler, SamplingTensors, TokenLogprobs, first_max, shard_candidates,
+from nanovllm.sampling.sampler import (Sampler, SamplingTensors, TokenLogprobs, first_max, shard_candidates,
                                      token_logprobs)
 from nanovllm.loader.source import iter_weights
 from nanovllm.loader.weights import dummy_weights, load_weights
 from nanovllm.models.registry import model_class
-from nanovllm.parallel.process_group import init_process_group
-from nanovllm.parallel.state import TensorParallel
+from nanovllm.distributed.process_group import init_process_group
+from nanovllm.distributed.state import TensorParallel
 from nanovllm.sampling_params import SamplingParams
 
 PROMPT_LOGITS_ROWS = 1024  # logits rows made at once for prompt logprobs: 0.6 GB in float32 for a 151,936 vocabulary

@@ -5,7 +5,7 @@ from numbers import Integral
 
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.sequence import PLACEHOLDER, Sequence
 from nanovllm.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 

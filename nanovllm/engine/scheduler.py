@@ -11,7 +11,7 @@ oldest sequence always progresses and there is no deadlock.
 from collections import deque
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.sequence import PLACEHOLDER, Sequence
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The one place that decides when a completion ends, and why."""
 from nanovllm.engine.detokenizer import find_stop_string
-from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.sequence import PLACEHOLDER, Sequence
 
 
 def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset, max_model_len: int,

@@ -4,8 +4,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import one_row
-from nanovllm.parallel.process_group import EMBEDDING_SLOT, partial_sums_buffer
-from nanovllm.parallel.state import TensorParallel
+from nanovllm.distributed.process_group import EMBEDDING_SLOT, partial_sums_buffer
+from nanovllm.distributed.state import TensorParallel
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -50,7 +50,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if one_row(x):  # a decode step of one sequence: the GEMV kernel, not cuBLAS's tensor-core tiles
-            from nanovllm.layers.gemv import gemv
+            from nanovllm.kernels.gemv import gemv
             return gemv(x, self.weight, out=out)
         return F.linear(x, self.weight) if out is None else torch.matmul(x, self.weight.t(), out=out)
 

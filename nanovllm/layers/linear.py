@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.activation import silu_and_mul
-from nanovllm.layers.fp8 import fp8_linear, quantize_fp8, quantizes_activations, rms_norm_fp8, scaled_mm, swiglu_fp8
+from nanovllm.kernels.activation import silu_and_mul
+from nanovllm.kernels.fp8 import fp8_linear, quantize_fp8, quantizes_activations, rms_norm_fp8, scaled_mm, swiglu_fp8
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.parallel.process_group import all_reduce_rms_norm, partial_sums_buffer, send_partial_sums
-from nanovllm.parallel.state import TensorParallel
+from nanovllm.distributed.process_group import all_reduce_rms_norm, partial_sums_buffer, send_partial_sums
+from nanovllm.distributed.state import TensorParallel
 
 
 def one_row(x: torch.Tensor) -> bool:
@@ -35,7 +35,7 @@ def few_rows(x: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight_scale is None
             and x.dim() == 2 and 2 <= x.size(0) <= SKINNY_MAX_ROWS):
         return False
-    from nanovllm.layers.pdl import hopper  # Triton: imported only on CUDA
+    from nanovllm.kernels.pdl import hopper  # Triton: imported only on CUDA
     return hopper(x.device)
 
 
@@ -49,10 +49,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | N
     fp8_linear for a float8 weight (gated, where it quantizes x: the gate and the quantization in
     one compiled kernel, swiglu_fp8)."""
     if one_row(x):
-        from nanovllm.layers.gemv import gemv
+        from nanovllm.kernels.gemv import gemv
         return gemv(x, weight, weight_scale, bias, gated, out=out)
     if few_rows(x, weight_scale):
-        from nanovllm.layers.skinny_gemm import silu_and_mul_rows, skinny_linear
+        from nanovllm.kernels.skinny_gemm import silu_and_mul_rows, skinny_linear
         return skinny_linear(silu_and_mul_rows(x) if gated else x, weight, bias, out=out)
     if gated and quantizes_activations(x, weight_scale):
         y = scaled_mm(*swiglu_fp8(x), weight, weight_scale, bias, x.dtype)
@@ -81,10 +81,10 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
         x, residual = all_reduce_rms_norm(x, residual, norm)
         return layer(x), residual
     if one_row(x):
-        from nanovllm.layers.gemv import norm_gemv
+        from nanovllm.kernels.gemv import norm_gemv
         return norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, layer.weight_scale, layer.bias)
     if few_rows(x, layer.weight_scale):
-        from nanovllm.layers.skinny_gemm import rms_norm_rows, skinny_linear
+        from nanovllm.kernels.skinny_gemm import rms_norm_rows, skinny_linear
         x, residual = rms_norm_rows(x, residual, norm.weight, norm.eps)
         return skinny_linear(x, layer.weight, layer.bias), residual
     if quantizes_activations(x, layer.weight_scale):

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
-from nanovllm.layers.fp8 import dequantize_blocks
+from nanovllm.kernels.fp8 import dequantize_blocks
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "models" / "configs"

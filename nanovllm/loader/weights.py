@@ -6,7 +6,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from nanovllm.parallel.state import TensorParallel
+from nanovllm.distributed.state import TensorParallel
 
 
 def _expected_shards(name: str, packed_modules_mapping: dict) -> set:

@@ -12,8 +12,8 @@ from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, norm_linear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
-from nanovllm.parallel.process_group import all_reduce_rms_norm
-from nanovllm.parallel.state import TensorParallel
+from nanovllm.distributed.process_group import all_reduce_rms_norm
+from nanovllm.distributed.state import TensorParallel
 
 
 class DecoderAttention(nn.Module):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.layers.fp8 import quantize_fp8
+from nanovllm.kernels.fp8 import quantize_fp8
 
 
 @dataclass

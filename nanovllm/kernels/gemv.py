@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nanovllm.layers.pdl import pdl_args
+from nanovllm.kernels.pdl import pdl_args
 
 
 @triton.jit

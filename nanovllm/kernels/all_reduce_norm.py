@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.pdl import pdl_args, pdl_start
+from nanovllm.kernels.pdl import pdl_args, pdl_start
 
 
 @triton.jit

@@ -18,8 +18,8 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.outputs import RequestOutput
-from nanovllm.parallel.processes import die_with_parent, died_while_starting, stop_processes
-from nanovllm.parallel.replica_router import ReplicaRouter
+from nanovllm.executor.processes import die_with_parent, died_while_starting, stop_processes
+from nanovllm.executor.replica_router import ReplicaRouter
 
 REPLY_TIMEOUT_S = 600  # the longest a busy replica may stay silent (one engine step, or its start-up)
 
@@ -31,7 +31,7 @@ def _replica_main(config: Config, conn, parent_pid: int):
     every ("abort",); ("reset", ok);
     ("error", traceback) when a step fails (its requests are dropped, the replica stays up)."""
     die_with_parent(parent_pid)
-    from nanovllm.engine.llm_engine import LLMEngine
+    from nanovllm.executor.llm_engine import LLMEngine
     try:
         engine = LLMEngine(config)
         conn.send(("ready", engine.config.max_model_len))

@@ -11,9 +11,9 @@ elsewhere the W8A8 math on dequantized float32 values.
 """
 import torch
 
-from nanovllm.layers.activation import swiglu
-from nanovllm.layers.layernorm import rms_norm
-from nanovllm.layers.token_compile import token_compile
+from nanovllm.kernels.activation import swiglu
+from nanovllm.kernels.rms_norm import rms_norm
+from nanovllm.kernels.compile import token_compile
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448, the largest finite e4m3 value
 MAX_W8A16_ROWS = 16  # up to this many tokens fp8_linear keeps activations in the model dtype (fp8_gemm.py)
@@ -51,7 +51,7 @@ def quantizes_activations(x: torch.Tensor, weight_scale: torch.Tensor | None) ->
 @token_compile
 def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """layernorm.rms_norm, then quantize_fp8 of its output, compiled into one kernel on CUDA:
+    """rms_norm.rms_norm, then quantize_fp8 of its output, compiled into one kernel on CUDA:
     ((q, scale), r), the input of scaled_mm. A float8 model's norm_linear runs it where the
     product quantizes its input (quantizes_activations), so the normed rows in the model dtype
     are never written and read again, nor quantize_rows launched: 72 of its 144 launches per
@@ -95,12 +95,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     if not quantizes_activations(x, weight_scale):
-        from nanovllm.layers.fp8_kernel import fp8_weight_gemm
+        from nanovllm.kernels.fp8_gemm import fp8_weight_gemm
         y = fp8_weight_gemm(x, weight, weight_scale)
         y = y if bias is None else y + bias
     else:
         if x.is_cuda:
-            from nanovllm.layers.fp8_kernel import quantize_rows
+            from nanovllm.kernels.fp8_gemm import quantize_rows
             qx, sx = quantize_rows(x)
         else:
             qx, sx = quantize_fp8(x)

@@ -1,5 +1,6 @@
-"""One engine replica: requests in, a Scheduler and BlockManager deciding each step, a
-ModelRunner running it, finished RequestOutputs out."""
+"""One engine replica's loop: requests in, a Scheduler and BlockManager deciding each step, a
+ModelRunner running it, finished RequestOutputs out. executor/llm_engine.py's LLMEngine is this
+loop with its tensor-parallel workers started."""
 import logging
 from collections.abc import Iterable
 from dataclasses import replace
@@ -10,24 +11,20 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.processor import Processor, Request
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import PLACEHOLDER, SequenceStatus
+from nanovllm.sequence import PLACEHOLDER, SequenceStatus
 from nanovllm.engine.stop_checker import check_stop
 from nanovllm.engine.trace import region
 from nanovllm.outputs import RequestOutput
-from nanovllm.parallel.tp_workers import TPWorkers
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine(EngineBase):
-    """With tensor_parallel_size > 1 this process is rank 0 and starts the other ranks' processes.
-    `LLMEngine.from_engine_args(model, **engine_args)` builds one from vLLM's engine arguments."""
+class EngineCore(EngineBase):
+    """One replica. workers: with tensor_parallel_size > 1, the other ranks' processes (rank 0's
+    handle on them, executor/tp_workers.py), which this process drives as rank 0."""
 
-    def __init__(self, config: Config):
-        if config.data_parallel_size > 1:
-            raise ValueError("LLMEngine is one replica; LLM(..., data_parallel_size=N) runs several")
-        workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
+    def __init__(self, config: Config, workers=None):
         self.model_runner = ModelRunner(config, workers=workers)
         if self.model_runner.max_model_len < config.max_model_len:
             logger.warning("max_model_len lowered from the model's %d to %d tokens, what the KV cache holds "
@@ -42,10 +39,6 @@ class LLMEngine(EngineBase):
         self.requests: dict[str, Request] = {}  # the unfinished ones
         self._inflight: tuple[LaunchedStep, list[int]] | None = None  # launched step, each row's PLACEHOLDER index
         self.num_prefill_tokens = self.num_decode_tokens = 0  # of the last step
-
-    @classmethod
-    def from_engine_args(cls, model: str, **engine_args) -> "LLMEngine":
-        return cls(Config.create(model, **engine_args))
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         """Queue one request (vLLM's LLMEngine.add_request); its outputs come from step() as its

@@ -4,8 +4,8 @@ is None unless some row of the step uses it, so a plain batch pays for nothing i
 import numpy as np
 import torch
 
-from nanovllm.engine.sequence import PLACEHOLDER, Sequence
-from nanovllm.layers.sampler import SamplingTensors
+from nanovllm.sequence import PLACEHOLDER, Sequence
+from nanovllm.sampling.sampler import SamplingTensors
 
 
 def _padded(rows: list[list[int]], pad: int, width: int = 0) -> np.ndarray:

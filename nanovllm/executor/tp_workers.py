@@ -22,8 +22,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from nanovllm.config import Config
-from nanovllm.parallel.process_group import leave_process_group, symmetric_memory_unused
-from nanovllm.parallel.processes import die_with_parent, died_while_starting, stop_processes
+from nanovllm.distributed.process_group import leave_process_group, symmetric_memory_unused
+from nanovllm.executor.processes import die_with_parent, died_while_starting, stop_processes
 
 
 def process_local_progress_lock():

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from nanovllm.layers.pdl import pdl_args, pdl_start
+from nanovllm.kernels.pdl import pdl_args, pdl_start
 
 
 @triton.jit

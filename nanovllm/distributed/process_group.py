@@ -112,7 +112,7 @@ def send_partial_sums(x: torch.Tensor, width: int, product) -> torch.Tensor:
     rows = x.size(0)
     if inboxes is None or rows > inboxes[0].size(0) or x.dtype != inboxes[0].dtype:
         return product(x)
-    from nanovllm.parallel.all_reduce_norm_kernel import signal_kernel
+    from nanovllm.kernels.all_reduce_norm import signal_kernel
     inbox = _symmetric["next_inbox"]
     _symmetric["next_inbox"] = 1 - inbox
     out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
@@ -142,7 +142,7 @@ def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm) ->
     if slot is None and not sent:
         dist.all_reduce(x)
         return (norm(x), x) if residual is None else norm(x, residual)
-    from nanovllm.parallel.all_reduce_norm_kernel import all_reduce_rms_norm_2, wait_kernel
+    from nanovllm.kernels.all_reduce_norm import all_reduce_rms_norm_2, wait_kernel
     rank = _symmetric["rank"]
     if slot is not None:
         return all_reduce_rms_norm_2(x, _symmetric["peer_buffers"][slot][:x.size(0)], _symmetric["flags"],

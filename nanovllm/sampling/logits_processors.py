@@ -33,7 +33,7 @@ def apply_penalties(logits: torch.Tensor, st):
     occurrence over the completion's tokens (OpenAI's API definition). The counts come from
     st.token_counts at st.count_rows; on CUDA one pass over the logits (penalty_kernel)."""
     if logits.is_cuda:
-        from nanovllm.layers.penalty_kernel import apply_penalties_kernel
+        from nanovllm.kernels.penalty import apply_penalties_kernel
         return apply_penalties_kernel(logits, st)
     presence, frequency, repetition = st.penalties
     counts = st.token_counts[st.count_rows].float()

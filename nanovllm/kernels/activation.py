@@ -1,7 +1,7 @@
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.token_compile import token_compile
+from nanovllm.kernels.compile import token_compile
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:

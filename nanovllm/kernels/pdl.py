@@ -19,6 +19,12 @@ def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+@functools.cache
+def num_sms(device_index: int) -> int:
+    """The streaming multiprocessors of CUDA device `device_index`."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def hopper(device: torch.device) -> bool:
     """A CUDA device of compute capability 9.0+ (Hopper or newer)."""
     return device.type == "cuda" and _supported(device.index if device.index is not None else torch.cuda.current_device())

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from nanovllm.config import Config
 from nanovllm.outputs import RequestOutput
-from nanovllm.parallel.replica_router import ReplicaRouter
+from nanovllm.executor.replica_router import ReplicaRouter
 
 REPLY_TIMEOUT_S = 600  # the longest a busy replica may go without finishing a step, or take to start
 
@@ -28,7 +28,7 @@ class Replica:
     """One replica, inside its actor."""
 
     def __init__(self, config: Config):
-        from nanovllm.engine.llm_engine import LLMEngine
+        from nanovllm.executor.llm_engine import LLMEngine
         self.engine = LLMEngine(config)
 
     def info(self) -> tuple[int, str]:

@@ -10,8 +10,6 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.engine.sequence import PLACEHOLDER
-
 
 # the counts and the block-table width change every step: kept out of Triton's specialisation
 @triton.jit(do_not_specialize=["num_pending", "num_seqs", "width", "stride_t"])
@@ -44,9 +42,9 @@ def graph_inputs_kernel(ids_ptr, pending_ptr, num_pending, sampled_ptr, position
 
 
 def write_graph_inputs(batch_size: int, input_ids: torch.Tensor, pending: torch.Tensor | None,
-                       sampled: torch.Tensor | None, meta, graph_ids: torch.Tensor, graph_meta):
+                       sampled: torch.Tensor | None, meta, graph_ids: torch.Tensor, graph_meta, placeholder: int):
     """Write a decode step of n <= batch_size sequences into a graph's static buffers.
-    input_ids: [n] int64, PLACEHOLDER where pending [P, 2] int64 (token index, row of sampled)
+    input_ids: [n] int64, `placeholder` where pending [P, 2] int64 (token index, row of sampled)
     names the previous step's sampled token ([rows] int64); pending None or empty: none.
     meta: the step's AttentionMetadata (positions, slot_mapping [n] int64, context_lens [n] int32,
     block_tables [n, width] int32); graph_ids [>= batch_size] int64 and graph_meta (the backend's
@@ -59,4 +57,4 @@ def write_graph_inputs(batch_size: int, input_ids: torch.Tensor, pending: torch.
         meta.positions, meta.slot_mapping, meta.context_lens, meta.block_tables, n, width,
         meta.block_tables.stride(0), graph_ids, graph_meta.positions, graph_meta.slot_mapping,
         graph_meta.context_lens, graph_meta.block_tables, graph_meta.block_tables.stride(0),
-        PLACEHOLDER=PLACEHOLDER, BLOCK_W=64, num_warps=1)
+        PLACEHOLDER=placeholder, BLOCK_W=64, num_warps=1)

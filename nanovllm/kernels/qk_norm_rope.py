@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.fp8_kernel import _quantize_e4m3
-from nanovllm.layers.pdl import pdl_args, pdl_start
+from nanovllm.kernels.fp8_gemm import _quantize_e4m3
+from nanovllm.kernels.pdl import pdl_args, pdl_start
 
 
 @triton.jit

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.layers.logits_processors import apply_logits_processors
+from nanovllm.sampling.logits_processors import apply_logits_processors
 
 
 @dataclass
@@ -78,7 +78,7 @@ def topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     int64); on CUDA, for k up to sampling_kernel.MAX_KERNEL_TOPK, by its chunked_topk
     (float32 values; benchmarks/sampler_costs.py measures both)."""
     if logits.is_cuda:
-        from nanovllm.layers.sampling_kernel import MAX_KERNEL_TOPK, chunked_topk
+        from nanovllm.kernels.sampling import MAX_KERNEL_TOPK, chunked_topk
         if k <= min(MAX_KERNEL_TOPK, logits.size(-1)):
             return chunked_topk(logits, k)
     return logits.topk(k, dim=-1)
@@ -92,7 +92,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Tok
     chosen = logits.gather(1, token_ids.unsqueeze(1)).float()
     top, top_ids = topk(logits, k)
     if logits.is_cuda:
-        from nanovllm.layers.sampling_kernel import logsumexp_and_rank
+        from nanovllm.kernels.sampling import logsumexp_and_rank
         lse, rank = logsumexp_and_rank(logits, token_ids)
     else:
         x = logits.float()
@@ -117,7 +117,7 @@ def shard_candidates(logits: torch.Tensor, temperatures: torch.Tensor, seeds: to
     vocabulary order: the token argmax(logits / T + G) over the whole vocabulary. On CUDA the
     Gumbel-max kernel's per-chunk maxima (C = its chunks, in base 2); elsewhere torch's (C = 1)."""
     if logits.is_cuda:
-        from nanovllm.layers.sampling_kernel import gumbel_max_candidates
+        from nanovllm.kernels.sampling import gumbel_max_candidates
         return gumbel_max_candidates(logits, temperatures, seeds, offset, width)
     x = logits[:, :width].float()
     hot = temperatures > 0
@@ -187,14 +187,14 @@ class Sampler(nn.Module):
         if st.temperatures is None:
             sampled, final = logits.argmax(-1), logits
         elif logits.is_cuda and st.only_temperature and not need_final:
-            from nanovllm.layers.sampling_kernel import gumbel_max_sample
+            from nanovllm.kernels.sampling import gumbel_max_sample
             sampled, final = gumbel_max_sample(logits, st.temperatures, self.kernel_seeds(logits.size(0), st)), None
         elif logits.is_cuda and st.top_k is None and not need_final:  # top_p and/or min_p, no sort
-            from nanovllm.layers.sampling_kernel import nucleus_sample
+            from nanovllm.kernels.sampling import nucleus_sample
             sampled = nucleus_sample(logits, st.temperatures, st.top_p, st.min_p, self.kernel_seeds(logits.size(0), st))
             final = None
         elif logits.is_cuda and st.max_top_k and not need_final:  # top_k on every sampling row: no sort
-            from nanovllm.layers.sampling_kernel import topk_sample
+            from nanovllm.kernels.sampling import topk_sample
             values, ids = topk(logits, st.max_top_k)
             sampled = topk_sample(values.float(), ids, st.temperatures, st.top_k, st.top_p, st.min_p,
                                   self.kernel_seeds(logits.size(0), st))

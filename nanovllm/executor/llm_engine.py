@@ -1,0 +1,32 @@
+"""LLMEngine: one engine replica (engine/core.py's loop) with, under tensor parallelism, its
+worker processes started; what LLM drives, and what data-parallel replicas run."""
+from nanovllm.config import Config
+from nanovllm.engine.core import EngineCore
+from nanovllm.executor.tp_workers import TPWorkers
+from nanovllm.loader.source import safetensors_files
+from nanovllm.models.registry import model_class
+
+
+class LLMEngine(EngineCore):
+    """vLLM's LLMEngine for one replica: `LLMEngine(config)` or `LLMEngine.from_engine_args(model,
+    **engine_args)`. With tensor_parallel_size > 1 this process is rank 0 and starts the other
+    ranks' processes. ValueError for an unsupported architecture, or data_parallel_size > 1 (one
+    replica: LLM(..., data_parallel_size=N) runs several), before anything starts."""
+
+    def __init__(self, config: Config):
+        if config.data_parallel_size > 1:
+            raise ValueError("LLMEngine is one replica; LLM(..., data_parallel_size=N) runs several")
+        check_model(config)
+        super().__init__(config, TPWorkers(config) if config.tensor_parallel_size > 1 else None)
+
+    @classmethod
+    def from_engine_args(cls, model: str, **engine_args) -> "LLMEngine":
+        return cls(Config.create(model, **engine_args))
+
+
+def check_model(config: Config):
+    """Raise before anything starts: ValueError for an architecture nanovllm does not implement
+    (naming those it does), FileNotFoundError for a checkpoint without its weights."""
+    model_class(config.hf_config)
+    if config.load_format == "safetensors":
+        safetensors_files(config.model)
