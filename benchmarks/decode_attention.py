@@ -9,7 +9,7 @@ from triton.testing import do_bench
 
 from bench import measure_bandwidth
 from nanovllm.kernels.fp8 import quantize_fp8
-from nanovllm.layers.attention.triton_backend import DECODE_BLOCK_N, decode_attention
+from nanovllm.kernels.decode_attention import DECODE_BLOCK_N, decode_attention
 
 
 def to_fp8(k, v):

@@ -15,7 +15,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers import linear as linear_mod
+from nanovllm.layers import linear_method as linear_mod
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear, norm_linear
 from nanovllm.kernels.skinny_gemm import silu_and_mul_rows, skinny_config, skinny_linear

@@ -10,7 +10,7 @@ import argparse
 import torch
 from triton.testing import do_bench
 
-from nanovllm.layers.attention.triton_backend import dequantize_blocks, prefill_attention
+from nanovllm.kernels.prefill_attention import dequantize_blocks, prefill_attention
 from nanovllm.kernels.fp8 import quantize_fp8
 
 

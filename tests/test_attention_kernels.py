@@ -11,8 +11,8 @@ pytest.importorskip("triton")
 from nanovllm.layers.attention.base import AttentionMetadata  # noqa: E402
 from nanovllm.kernels.fp8 import quantize_fp8  # noqa: E402
 from nanovllm.layers.attention.torch_backend import paged_attention_reference  # noqa: E402
-from nanovllm.layers.attention.triton_backend import (decode_attention, dequantize_blocks,  # noqa: E402
-                                                      prefill_attention, staging_plan)
+from nanovllm.kernels.decode_attention import decode_attention  # noqa: E402
+from nanovllm.kernels.prefill_attention import dequantize_blocks, prefill_attention, staging_plan  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -101,7 +101,7 @@ def test_compiled_norm_and_gate_quantize_as_eager():
     apart, which can move a value across a rounding boundary or the row's scale by 2^-7)."""
     from nanovllm.kernels.activation import swiglu
     from nanovllm.kernels.fp8 import rms_norm_fp8, swiglu_fp8
-    from nanovllm.layers.layernorm import rms_norm
+    from nanovllm.kernels.rms_norm import rms_norm
     g = torch.Generator().manual_seed(5)
     for rows, k in ((17, 1000), (300, 4096)):
         x, res = (torch.randn(rows, k, generator=g).cuda().bfloat16() for _ in range(2))

@@ -2,23 +2,32 @@
 tiles in N and K, 16-bit and float8 weights, bias, and SwiGLU's silu(gate) * up or the RMSNorm
 (with the residual add) fused into the loads. Without CUDA it runs in Triton's interpreter, in
 float16 (the interpreter multiplies bfloat16 as integers); on CUDA also in bfloat16 at
-Qwen3-0.6B's and -8B's shapes through linear.linear and linear.norm_linear, as the decode step
-of one sequence runs them."""
+Qwen3-0.6B's and -8B's shapes through the linear methods (linear_method.py) and
+linear.norm_linear, as the decode step of one sequence runs them."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 from nanovllm.kernels.activation import silu_and_mul  # noqa: E402
 from nanovllm.kernels.fp8 import quantize_fp8  # noqa: E402
-from nanovllm.layers import skinny_gemm  # noqa: E402
+from nanovllm.kernels import skinny_gemm  # noqa: E402
 from nanovllm.kernels.gemv import gemv, norm_gemv  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
-from nanovllm.layers.linear import ColumnParallelLinear, few_rows, linear, norm_linear  # noqa: E402
+from nanovllm.layers.linear import ColumnParallelLinear, norm_linear  # noqa: E402
+from nanovllm.layers.linear_method import Fp8LinearMethod, UnquantizedLinearMethod, few_rows  # noqa: E402
 from nanovllm.kernels.skinny_gemm import rms_norm_rows, silu_and_mul_rows, skinny_linear  # noqa: E402
 from nanovllm.distributed.state import TensorParallel  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
+
+
+def linear(x, w, scale, bias, gated):
+    """The product as a linear layer with weight w (float8 with scale, or x's dtype) computes it."""
+    method = UnquantizedLinearMethod() if scale is None else Fp8LinearMethod()
+    return method.apply(SimpleNamespace(weight=w, weight_scale=scale), x, bias, gated)
 
 
 def reference(x, w, scale, bias, gated):
@@ -107,7 +116,7 @@ def check_norm_linear(x, res, weight, g):
 @pytest.mark.parametrize("k,n", [(1024, 4096), (3072, 1024), (4096, 6144), (12288, 4096)])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_linear_one_row_on_the_gpu(k, n, fp8):
-    """linear() at one row of bf16 takes the GEMV with its default tiling (gated for down_proj's
+    """A linear method at one row of bf16 takes the GEMV with its default tiling (gated for down_proj's
     K), equal to the float64 product to bf16's rounding of the output (2^-8)."""
     g = torch.Generator("cuda").manual_seed(k + n)
     gated = k in (3072, 12288)
@@ -161,7 +170,7 @@ def test_rms_norm_rows_and_silu_and_mul_rows(has_residual):
 @pytest.mark.parametrize("k,n", [(1024, 4096), (2048, 1024), (3072, 1024), (1024, 6144), (896, 1152)])
 @pytest.mark.parametrize("m", [2, 7, 16, 32, 48, 64])
 def test_linear_few_rows_on_the_gpu(k, n, m):
-    """linear() and norm_linear() at 2-64 rows of bf16 take skinny_gemm.py's kernels with the default
+    """A linear method and norm_linear() at 2-64 rows of bf16 take skinny_gemm.py's kernels with the default
     tiling (K split where N is narrow; gated for down_proj's K), equal to the float64 product to
     bf16's rounding of the output (2^-8), the same bits on a second run (the split's sum has a
     fixed order), and the residual sum as RMSNorm returns it."""
@@ -169,7 +178,7 @@ def test_linear_few_rows_on_the_gpu(k, n, m):
     gated = k == 3072
     x, res = (torch.randn(2, m, (2 if gated else 1) * k, device="cuda", generator=g) * 3).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
-    assert few_rows(x, None)  # the skinny kernels, not cuBLAS
+    assert few_rows(x)  # the skinny kernels, not cuBLAS
     y = linear(x, w, None, None, gated)
     ref = reference(x, w, None, None, gated)
     assert torch.allclose(y.double(), ref, rtol=2**-8, atol=2**-8 * ref.abs().max().item())

@@ -42,18 +42,17 @@ def test_tensor_parallel_8b_matches_one_gpu():
 @torch.inference_mode()  # as the engine runs (a product written to a buffer takes no autograd)
 def _row_parallel_rank(rank: int, store_path: str):
     from nanovllm.layers.layernorm import RMSNorm
-    from nanovllm.layers.linear import RowParallelLinear, linear
-    from nanovllm.distributed.process_group import (SEND_CHUNK_MIN_ROWS, SEND_CHUNKS, all_reduce_rms_norm,
-                                                 init_process_group, leave_process_group, partial_sums_buffer)
+    from nanovllm.layers.linear import RowParallelLinear
+    from nanovllm.distributed.process_group import SEND_CHUNK_MIN_ROWS, SEND_CHUNKS, init_process_group
     from nanovllm.distributed.state import TensorParallel
     device, dtype = torch.device("cuda", rank), torch.bfloat16
     torch.cuda.set_device(device)
-    init_process_group(rank, 2, store_path, device, (256, 4100, 1024), dtype)
+    group = init_process_group(rank, 2, store_path, device, (256, 4100, 1024), dtype)
     torch.manual_seed(0)  # the norm's weight: the same on both ranks
     norm = RMSNorm(1024).to(device, dtype)
     torch.nn.init.normal_(norm.weight)
     torch.manual_seed(1 + rank)  # each rank its own shards
-    tp = TensorParallel(rank, 2)
+    tp = TensorParallel(rank, 2, group)
     # the decoder's order: the embedding's slot with no residual, then o_proj's and down_proj's in turn
     layers = [RowParallelLinear(2048, 1024, tp, slot=2)] + [RowParallelLinear(2048, 1024, tp, slot=0),
                                                             RowParallelLinear(3072, 1024, tp, slot=1, gated=True)] * 3
@@ -68,16 +67,16 @@ def _row_parallel_rank(rank: int, store_path: str):
         for layer in layers:
             x = torch.randn(rows, layer.weight.size(1) * (2 if layer.gated else 1), device=device, dtype=dtype)
             chunks = max(1, min(SEND_CHUNKS, rows // SEND_CHUNK_MIN_ROWS)) if 256 < rows <= 4100 else 1
-            own = torch.cat([linear(c, layer.weight, None, None, layer.gated)  # as the layer chunks it
+            own = torch.cat([layer.quant_method.apply(layer, c, None, layer.gated)  # as the layer chunks it
                              for c in x.tensor_split([rows * i // chunks for i in range(1, chunks)])])
             partial = layer(x)
-            buffer = partial_sums_buffer(rows, dtype, layer.slot)
+            buffer = group.partial_sums_buffer(rows, dtype, layer.slot)
             assert (buffer is not None and partial.data_ptr() == buffer.data_ptr()) == (rows <= 256), rows
             assert torch.equal(partial, own)  # the same kernels
             total = own.float()
             torch.distributed.all_reduce(total)  # two bf16 addends: exact in float32, then rounded once
             r_ref = total.to(dtype) if residual is None else (total.to(dtype).float() + residual.float()).to(dtype)
-            y, r = all_reduce_rms_norm(partial, residual, norm)
+            y, r = group.all_reduce_rms_norm(partial, residual, norm)
             assert torch.equal(r, r_ref), (rows, layer.slot, (r.float() - r_ref.float()).abs().max().item())
             if rows > 4100:  # NCCL's sum, then the model's own norm
                 summed = total.to(dtype)
@@ -87,7 +86,7 @@ def _row_parallel_rank(rank: int, store_path: str):
                 y_ref = rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()
                 assert ((y.float() - y_ref).abs() <= 1.01 * eps * y_ref.abs()).all(), (rows, layer.slot)
             residual = r
-    leave_process_group({})
+    group.leave({})
 
 
 def test_row_parallel_all_reduce_rms_norm(tmp_path):

@@ -17,7 +17,8 @@ from nanovllm.sampling.inputs import TokenCounts, sampling_tensors
 from nanovllm.engine.step_inputs import Stager, StepPlan, plan_step
 from nanovllm.engine.trace import region
 from nanovllm.layers.attention import Attention, make_backend
-from nanovllm.layers.linear import quantize_weights
+from nanovllm.layers.linear import process_weights_after_loading
+from nanovllm.layers.linear_method import linear_method
 from nanovllm.sampling.sampler import (Sampler, SamplingTensors, TokenLogprobs, first_max, shard_candidates,
                                      token_logprobs)
 from nanovllm.loader.source import iter_weights
@@ -49,14 +50,17 @@ class ModelRunner:
         self.config, self.hf_config = config, config.hf_config
         self.rank, self.world_size, self.workers = rank, config.tensor_parallel_size, workers
         self.device, self.dtype = config.device, config.dtype
+        self.tp_group = None  # this rank's TPGroup, with tensor parallelism
         if self.world_size > 1:
             if self.device.type == "cuda":
                 torch.cuda.set_device(rank)
                 self.device = torch.device("cuda", rank)
             symmetric = workers.symmetric if workers else symmetric
-            init_process_group(rank, self.world_size, store_path or workers.store_path, self.device,
+            self.tp_group = init_process_group(rank, self.world_size, store_path or workers.store_path, self.device,
                                (config.max_num_seqs, config.max_num_batched_tokens, self.hf_config.hidden_size)
                                if symmetric else None, self.dtype)
+            if workers:
+                workers.group.append(self.tp_group)
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.backend = make_backend(config.attention_backend)
@@ -94,7 +98,7 @@ class ModelRunner:
                 self.graph_runner.capture()
 
     def _build_model(self):
-        cls, tp = model_class(self.hf_config), TensorParallel(self.rank, self.world_size)
+        cls, tp = model_class(self.hf_config), TensorParallel(self.rank, self.world_size, self.tp_group)
         torch.manual_seed(self.config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -102,17 +106,16 @@ class ModelRunner:
             if self.device.type == "cuda":
                 self._check_weights_fit(cls, tp)
             with torch.device(self.device):
-                model = cls(self.hf_config, tp, self.backend)
+                model = cls(self.hf_config, tp, self.backend, linear_method(self.config.quantization))
         finally:
             torch.set_default_dtype(default_dtype)
         cfg = self.config
         weights = dummy_weights(cls, self.hf_config, cfg.seed, self.device, self.dtype) if cfg.load_format == "dummy" \
             else iter_weights(cfg.model, cfg.load_format, self.hf_config)
         load_weights(model, weights)
-        if cfg.quantization == "fp8":
-            quantize_weights(model)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # the model-dtype weights' memory, for the KV cache
+        process_weights_after_loading(model)
+        if cfg.quantization and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the model-dtype weights' memory, for the KV cache
         return model
 
     def _check_weights_fit(self, cls, tp: TensorParallel):

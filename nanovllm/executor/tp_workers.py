@@ -22,7 +22,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from nanovllm.config import Config
-from nanovllm.distributed.process_group import leave_process_group, symmetric_memory_unused
+from nanovllm.distributed.process_group import TPGroup, symmetric_memory_unused
 from nanovllm.executor.processes import die_with_parent, died_while_starting, stop_processes
 
 
@@ -43,7 +43,7 @@ def _worker_main(config: Config, rank: int, store_path: str, symmetric: bool, co
         while (plan := conn.recv()) is not None:
             runner.execute(plan)
         # rank 0 asked the ranks to stop, and leaves the group with them
-        leave_process_group(runner.graph_runner.graphs if runner.graph_runner else {})
+        runner.tp_group.leave(runner.graph_runner.graphs if runner.graph_runner else {})
     except EOFError:
         pass  # rank 0 is gone
     except BaseException:
@@ -60,6 +60,7 @@ class TPWorkers:
         self.store_path = os.path.join(self.tmpdir, "store")
         self.broken: str | None = None  # why the ranks can no longer run steps together
         self.graphs = {}  # rank 0's CUDA graphs (its ModelRunner's): freed before the process group
+        self.group: list[TPGroup] = []  # rank 0's TPGroup, once its ModelRunner has joined the group
         self.symmetric = symmetric_memory_unused()  # all-reduces through symmetric memory, on every rank or none
         ctx = mp.get_context("spawn")
         config = replace(config, tokenizer=None)  # the workers detokenize nothing
@@ -72,7 +73,8 @@ class TPWorkers:
             worker_end.close()
             self.procs.append(proc)
             self.conns.append(conn)
-        shutdown = weakref.finalize(self, _shutdown, self.procs, self.conns, self.tmpdir, self.graphs)
+        shutdown = weakref.finalize(self, _shutdown, self.procs, self.conns, self.tmpdir, self.graphs,
+                                    self.group)
         try:
             self._wait_started()
         except RuntimeError:
@@ -139,7 +141,7 @@ class TPWorkers:
             time.sleep(1e-4)
 
 
-def _shutdown(procs, conns, tmpdir, graphs):
+def _shutdown(procs, conns, tmpdir, graphs, group):
     """Rank 0's end of the engine: the workers are told to stop and leave the process group, rank
     0 leaves it with them, then they get 10 s to exit. When a worker has died, an NCCL group is
     not destroyed (that could wait for the dead rank); process exit ends it."""
@@ -151,6 +153,6 @@ def _shutdown(procs, conns, tmpdir, graphs):
         except OSError:
             healthy = False  # that worker is gone
     if dist.is_initialized() and (healthy or dist.get_backend() == "gloo"):
-        leave_process_group(graphs)
+        (group[0] if group else TPGroup(0, 0, None)).leave(graphs)  # (a group joined, its TPGroup not yet made)
     stop_processes(procs, [], timeout=10)
     shutil.rmtree(tmpdir, ignore_errors=True)

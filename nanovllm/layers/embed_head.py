@@ -3,8 +3,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.linear import one_row
-from nanovllm.distributed.process_group import EMBEDDING_SLOT, partial_sums_buffer
+from nanovllm.distributed.process_group import EMBEDDING_SLOT
+from nanovllm.layers.linear_method import one_row
 from nanovllm.distributed.state import TensorParallel
 
 
@@ -18,7 +18,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallel):
         super().__init__()
-        self.tp_rank, self.tp_size = tp.rank, tp.size
+        self.tp_rank, self.tp_size, self.group = tp.rank, tp.size, tp.group
         self.num_embeddings = num_embeddings
         self.shard = (num_embeddings + self.tp_size - 1) // self.tp_size
         self.vocab_start = self.shard * self.tp_rank
@@ -38,7 +38,7 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(x, self.weight)
         local = x - self.vocab_start
         mask = (local >= 0) & (local < self.shard)
-        out = partial_sums_buffer(x.size(0), self.weight.dtype, EMBEDDING_SLOT)
+        out = self.group.partial_sums_buffer(x.size(0), self.weight.dtype, EMBEDDING_SLOT)
         y = F.embedding(local.clamp(0, self.shard - 1), self.weight)
         return torch.mul(y, mask.unsqueeze(1), out=out) if out is not None else y * mask.unsqueeze(1)
 

@@ -10,62 +10,11 @@ checkpoint tensors and no rank ever holds more than its shard.
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels.activation import silu_and_mul
-from nanovllm.kernels.fp8 import fp8_linear, quantize_fp8, quantizes_activations, rms_norm_fp8, scaled_mm, swiglu_fp8
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.distributed.process_group import all_reduce_rms_norm, partial_sums_buffer, send_partial_sums
+from nanovllm.layers.linear_method import LinearMethod, UnquantizedLinearMethod
 from nanovllm.distributed.state import TensorParallel
-
-
-def one_row(x: torch.Tensor) -> bool:
-    """A decode step of one sequence in bf16/fp16 on CUDA: gemv.py's kernels take its products."""
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.numel() == x.size(-1)
-
-
-SKINNY_MAX_ROWS = 64  # under 2% gain over cuBLAS from 96 rows on (skinny_gemm.py)
-
-
-def few_rows(x: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
-    """A decode step of 2 to SKINNY_MAX_ROWS sequences in bf16/fp16 on a Hopper or newer GPU (the
-    tilings assume its shared memory) with weights in x's dtype: skinny_gemm.py's kernels take its
-    products, norms and gate."""
-    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight_scale is None
-            and x.dim() == 2 and 2 <= x.size(0) <= SKINNY_MAX_ROWS):
-        return False
-    from nanovllm.kernels.pdl import hopper  # Triton: imported only on CUDA
-    return hopper(x.device)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, bias: torch.Tensor | None,
-           gated: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y = a W^T + b for x [..., in] (gated: x = [gate | up] [..., 2 * in] and a = silu(gate) * up,
-    else a = x), weight [out, in] in x's dtype or float8 with weight_scale [out] -> [..., out],
-    written to out (contiguous, x's shape but the last dim) when given.
-    bf16/fp16 on CUDA: one row (a decode step of one sequence) gemv.gemv, the gate fused into its
-    loads; a few rows skinny_gemm.py's gate and product kernels; otherwise F.linear, or
-    fp8_linear for a float8 weight (gated, where it quantizes x: the gate and the quantization in
-    one compiled kernel, swiglu_fp8)."""
-    if one_row(x):
-        from nanovllm.kernels.gemv import gemv
-        return gemv(x, weight, weight_scale, bias, gated, out=out)
-    if few_rows(x, weight_scale):
-        from nanovllm.kernels.skinny_gemm import silu_and_mul_rows, skinny_linear
-        return skinny_linear(silu_and_mul_rows(x) if gated else x, weight, bias, out=out)
-    if gated and quantizes_activations(x, weight_scale):
-        y = scaled_mm(*swiglu_fp8(x), weight, weight_scale, bias, x.dtype)
-        return y if out is None else out.copy_(y)
-    if gated:
-        x = silu_and_mul(x)
-    if weight_scale is not None:
-        y = fp8_linear(x, weight, weight_scale, bias)
-        return y if out is None else out.copy_(y)
-    if out is None:
-        return F.linear(x, weight, bias)
-    torch.matmul(x, weight.t(), out=out)
-    return out if bias is None else out.add_(bias)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
@@ -73,34 +22,24 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
     """A pre-norm block's first product: (layer(norm(r)), r) for r = x + residual, or r = x when
     residual is None; x, residual: [num_tokens, hidden_size]. With tensor parallelism x is this
     rank's partial sums (RowParallelLinear's or the embedding's), summed over the ranks with the
-    add and the norm (all_reduce_rms_norm). bf16/fp16 on CUDA: one row, one GEMV kernel, the norm
-    computed while loading x; a few rows (see linear), skinny_gemm.py's norm and product kernels;
-    float8 weights that quantize x (fp8.quantizes_activations), the norm and the quantization in
-    one compiled kernel (rms_norm_fp8), then scaled_mm; otherwise RMSNorm, then the layer."""
+    add and the norm (all_reduce_rms_norm), then the layer's product; otherwise the layer's method
+    fuses the norm into its product where it has kernels for that (LinearMethod.apply_norm)."""
     if layer.tp_size > 1:
-        x, residual = all_reduce_rms_norm(x, residual, norm)
+        x, residual = layer.group.all_reduce_rms_norm(x, residual, norm)
         return layer(x), residual
-    if one_row(x):
-        from nanovllm.kernels.gemv import norm_gemv
-        return norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, layer.weight_scale, layer.bias)
-    if few_rows(x, layer.weight_scale):
-        from nanovllm.kernels.skinny_gemm import rms_norm_rows, skinny_linear
-        x, residual = rms_norm_rows(x, residual, norm.weight, norm.eps)
-        return skinny_linear(x, layer.weight, layer.bias), residual
-    if quantizes_activations(x, layer.weight_scale):
-        quantized, residual = rms_norm_fp8(x, residual, norm.weight, norm.eps)
-        return scaled_mm(*quantized, layer.weight, layer.weight_scale, layer.bias, x.dtype), residual
-    x, residual = (norm(x), x) if residual is None else norm(x, residual)
-    return layer(x), residual
+    return layer.quant_method.apply_norm(layer, x, residual, norm)
 
 
 class LinearBase(nn.Module):
     """y = x W^T + b with W: [output_size, input_size]; `tp_dim` is the dim that is sharded (None:
-    replicated). After quantize_weight (quantization="fp8"), W is float8 with weight_scale [output_size]."""
+    replicated). quant_method computes the products and decides what W is once loaded
+    (linear_method.py; Fp8LinearMethod: float8 with weight_scale [output_size])."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None, tp: TensorParallel):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None, tp: TensorParallel,
+                 quant_method: LinearMethod | None = None):
         super().__init__()
-        self.tp_rank, self.tp_size = tp.rank, tp.size
+        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.tp_rank, self.tp_size, self.group = tp.rank, tp.size, tp.group
         self.tp_dim = tp_dim
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.weight.weight_loader = self.weight_loader
@@ -117,21 +56,15 @@ class LinearBase(nn.Module):
         _copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.weight_scale, self.bias)
-
-    @torch.no_grad()
-    def quantize_weight(self):
-        """Keep the loaded weight as float8 e4m3 with one scale per output channel (layers/fp8.py)."""
-        weight, self.weight_scale = quantize_fp8(self.weight)
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        return self.quant_method.apply(self, x, self.bias)
 
 
-def quantize_weights(model: nn.Module):
-    """quantization="fp8": every linear layer's weight to float8 (embeddings, LM head and norms
-    stay in the model dtype)."""
+def process_weights_after_loading(model: nn.Module):
+    """Let every linear layer's method turn its loaded weight into what it computes with
+    (quantization="fp8": float8; embeddings, LM head and norms stay in the model dtype)."""
     for module in model.modules():
         if isinstance(module, LinearBase):
-            module.quantize_weight()
+            module.quant_method.process_weights_after_loading(module)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor):
@@ -141,17 +74,19 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor):
 
 
 class ColumnParallelLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, tp: TensorParallel, bias: bool = False):
-        super().__init__(input_size, output_size // tp.size, bias, 0, tp)
+    def __init__(self, input_size: int, output_size: int, tp: TensorParallel, bias: bool = False,
+                 quant_method: LinearMethod | None = None):
+        super().__init__(input_size, output_size // tp.size, bias, 0, tp, quant_method)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input packed along the output dim (gate_up_proj);
     output_sizes are the full (unsharded) sizes, in shard-id order."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], tp: TensorParallel, bias: bool = False):
+    def __init__(self, input_size: int, output_sizes: list[int], tp: TensorParallel, bias: bool = False,
+                 quant_method: LinearMethod | None = None):
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), tp, bias)
+        super().__init__(input_size, sum(output_sizes), tp, bias, quant_method)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int):
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
@@ -165,7 +100,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     replicated when there are fewer of them than ranks."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: TensorParallel,
-                 bias: bool = False):
+                 bias: bool = False, quant_method: LinearMethod | None = None):
         tp_size = tp.size
         self.head_dim = head_dim
         self.num_heads = num_heads // tp_size
@@ -173,7 +108,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_replicas = max(1, tp_size // num_kv_heads)
         self.output_sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]  # full q, k, v
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
-        super().__init__(hidden_size, out, tp, bias)  # this rank's heads only
+        super().__init__(hidden_size, out, tp, bias, quant_method)  # this rank's heads only
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -189,17 +124,18 @@ class RowParallelLinear(LinearBase):
     (all_reduce_rms_norm): written into symmetric buffer `slot` where partial_sums_buffer has one,
     else sent to the peer as they are computed where send_partial_sums can. gated: the input is
     [gate | up] (each this rank's shard) and the layer multiplies silu(gate) * up (SwiGLU's
-    down_proj; see linear)."""
+    down_proj)."""
 
     def __init__(self, input_size: int, output_size: int, tp: TensorParallel, slot: int, bias: bool = False,
-                 gated: bool = False):
-        super().__init__(input_size // tp.size, output_size, bias, 1, tp)
+                 gated: bool = False, quant_method: LinearMethod | None = None):
+        super().__init__(input_size // tp.size, output_size, bias, 1, tp, quant_method)
         self.slot, self.gated = slot, gated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        product = partial(linear, weight=self.weight, weight_scale=self.weight_scale,
-                          bias=self.bias if self.tp_rank == 0 else None, gated=self.gated)
+        product = partial(self.quant_method.apply, self, bias=self.bias if self.tp_rank == 0 else None,
+                          gated=self.gated)
         if self.tp_size == 1:
             return product(x)
-        out = partial_sums_buffer(x.size(0), x.dtype, self.slot)
-        return product(x, out=out) if out is not None else send_partial_sums(x, self.weight.size(0), product)
+        out = self.group.partial_sums_buffer(x.size(0), x.dtype, self.slot)
+        return product(x, out=out) if out is not None else self.group.send_partial_sums(x, self.weight.size(0),
+                                                                                        product)

@@ -2,8 +2,11 @@
 embeddings and a SwiGLU MLP. Qwen3 normalises q and k per head (q_norm/k_norm), Qwen2 has a
 bias on q/k/v, Llama has neither; the three classes at the end only set those flags.
 
-Every module takes `tp` (this rank's TensorParallel) and the attention backend when it is built;
-forward takes the step's AttentionMetadata explicitly."""
+Every module takes `tp` (this rank's TensorParallel), the attention backend and the linear
+layers' quant_method (layers/linear_method.py) when it is built; forward takes the step's
+AttentionMetadata explicitly. A layer calls its attention and MLP blocks through one interface,
+block(x, residual, norm, ...) -> (out, residual), each fusing the pre-norm into its first product:
+another MLP (experts, say) is another block with that interface."""
 import torch
 from torch import nn
 
@@ -11,22 +14,25 @@ from nanovllm.layers.attention import Attention, AttentionBackend, AttentionMeta
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, norm_linear
+from nanovllm.layers.linear_method import LinearMethod
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
-from nanovllm.distributed.process_group import all_reduce_rms_norm
+from nanovllm.distributed.process_group import DOWN_PROJ_SLOT, O_PROJ_SLOT
 from nanovllm.distributed.state import TensorParallel
 
 
 class DecoderAttention(nn.Module):
     def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool, tp: TensorParallel,
-                 backend: AttentionBackend | None):
+                 backend: AttentionBackend | None, quant_method: LinearMethod | None = None):
         super().__init__()
         hidden = config.hidden_size
         num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // num_heads
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, tp, bias=qkv_bias)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, tp, bias=qkv_bias,
+                                          quant_method=quant_method)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, tp, slot=0)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, tp, slot=O_PROJ_SLOT,
+                                        quant_method=quant_method)
         norms = None
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -35,63 +41,71 @@ class DecoderAttention(nn.Module):
         rotary_emb = RotaryEmbedding(config, self.head_dim, config.max_position_embeddings)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, layer_idx, rotary_emb, norms, backend)
 
-    def forward(self, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """qkv: qkv_proj's output (computed by the layer with the norm before it)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o_proj(attention(qkv_proj(norm(r)))), r) for r = x + residual (x alone when None)."""
+        qkv, residual = norm_linear(x, residual, norm, self.qkv_proj)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], -1)
-        return self.o_proj(self.attn(q, k, v, meta))
+        return self.o_proj(self.attn(q, k, v, meta)), residual
 
 
 class DecoderMLP(nn.Module):
-    """SwiGLU's two products; DecoderLayer runs them (gate_up_proj with the norm before it)."""
+    """SwiGLU: down_proj(silu(gate) * up) with [gate | up] = gate_up_proj(x)."""
 
-    def __init__(self, config, tp: TensorParallel):
+    def __init__(self, config, tp: TensorParallel, quant_method: LinearMethod | None = None):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
         inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], tp)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp, slot=1, gated=True)  # silu(gate) * up first
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], tp, quant_method=quant_method)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp, slot=DOWN_PROJ_SLOT, gated=True,
+                                           quant_method=quant_method)  # silu(gate) * up first
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(down_proj(swiglu(gate_up_proj(norm(r)))), r) for r = x + residual."""
+        gate_up, residual = norm_linear(x, residual, norm, self.gate_up_proj)
+        return self.down_proj(gate_up), residual
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool, tp: TensorParallel,
-                 backend: AttentionBackend | None):
+                 backend: AttentionBackend | None, quant_method: LinearMethod | None = None):
         super().__init__()
-        self.self_attn = DecoderAttention(config, layer_idx, qkv_bias, qk_norm, tp, backend)
-        self.mlp = DecoderMLP(config, tp)
+        self.self_attn = DecoderAttention(config, layer_idx, qkv_bias, qk_norm, tp, backend, quant_method)
+        self.mlp = DecoderMLP(config, tp, quant_method)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, residual, meta: AttentionMetadata):
         """Pre-norm: each norm (with the residual add) goes with the product after it (norm_linear)."""
-        qkv, residual = norm_linear(x, residual, self.input_layernorm, self.self_attn.qkv_proj)
-        x = self.self_attn(qkv, meta)
-        gate_up, residual = norm_linear(x, residual, self.post_attention_layernorm, self.mlp.gate_up_proj)
-        return self.mlp.down_proj(gate_up), residual
+        x, residual = self.self_attn(x, residual, self.input_layernorm, meta)
+        return self.mlp(x, residual, self.post_attention_layernorm)
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallel, backend: AttentionBackend | None):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallel, backend: AttentionBackend | None,
+                 quant_method: LinearMethod | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, qkv_bias, qk_norm, tp, backend)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, qkv_bias, qk_norm, tp, backend, quant_method)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.tp_size = tp.size
+        self.group = tp.group
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, meta)
         # with tensor parallelism x is each rank's partial sums, summed with the norm
-        x, _ = all_reduce_rms_norm(x, residual, self.norm) if self.tp_size > 1 else self.norm(x, residual)
+        x, _ = self.group.all_reduce_rms_norm(x, residual, self.norm) if self.group else self.norm(x, residual)
         return x
 
 
 class DecoderForCausalLM(nn.Module):
     """forward(input_ids [T] int64, meta) -> hidden [T, hidden_size];
     compute_logits(hidden [N, hidden_size]) -> [N, vocab_size] in the model dtype (rank 0; None on others).
-    backend may be None for a model that never runs (built on the meta device to count parameters)."""
+    backend may be None for a model that never runs (built on the meta device to count parameters);
+    quant_method: every linear layer's (None: unquantized)."""
     qkv_bias = False
     qk_norm = False
     # checkpoint name fragment -> (packed parameter fragment, shard id)
@@ -100,9 +114,10 @@ class DecoderForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, tp: TensorParallel = TensorParallel(), backend: AttentionBackend | None = None):
+    def __init__(self, config, tp: TensorParallel = TensorParallel(), backend: AttentionBackend | None = None,
+                 quant_method: LinearMethod | None = None):
         super().__init__()
-        self.model = DecoderModel(config, self.qkv_bias, self.qk_norm, tp, backend)
+        self.model = DecoderModel(config, self.qkv_bias, self.qk_norm, tp, backend, quant_method)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
