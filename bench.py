@@ -47,7 +47,7 @@ def measure_bandwidth(device) -> float:
 
 def measure_matmul_flops(device, fp8: bool = False) -> float:
     """FLOP/s of an 8192^3 bf16 matrix product on random data; fp8: of the float8 product with
-    row-wise scales that quantization="fp8" runs (layers/fp8.py fp8_linear)."""
+    row-wise scales that quantization="fp8" runs (kernels/fp8.py fp8_linear)."""
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     product = lambda: a @ b  # noqa: E731

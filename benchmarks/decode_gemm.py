@@ -5,7 +5,7 @@ and gate_up_proj, linear.linear for o_proj and down_proj), 28 layers with their 
 one CUDA graph (weights from HBM, not L2): the engine's path (the GEMV at one row, skinny_gemm at
 2 to SKINNY_MAX_ROWS) against cuBLAS (RMSNorm, F.linear, silu_and_mul as their own kernels).
 --sweep: each product alone, 28 in a graph, skinny_gemm's tilings against cuBLAS, every tiling
-first checked against a float32 product. Findings: benchmarks/NOTES.md.
+first checked against a float32 product. Findings: docs/perf-log.md.
 
     python benchmarks/decode_gemm.py [--m 1 2 4 8 16 32 64] [--sweep]
 """

@@ -48,7 +48,7 @@ class Config:
     (the model's log-softmax) or "processed_logprobs" (of the logits sampled from: after penalties,
     bias, masks, temperature and filters). max_logprobs: the most logprobs or prompt_logprobs a
     request may ask for (vLLM's default 20; -1: no limit). distributed_executor_backend: where data-parallel replicas
-    run: "mp" (processes of this host) or "ray" (actors on the Ray cluster, nanovllm/parallel/ray_replicas.py).
+    run: "mp" (processes of this host) or "ray" (actors on the Ray cluster, nanovllm/executor/ray_replicas.py).
     trust_remote_code: let transformers run the model folder's own Python code for its config and
     tokenizer (vLLM's meaning); the model itself must still be an architecture nanovllm implements.
 
@@ -180,7 +180,7 @@ def _resolve_kv_cache_dtype(name: str, dtype: torch.dtype, device: torch.device,
 def _resolve_quantization(name: str | None, hf_config, device: torch.device) -> str | None:
     """None (weights in the model dtype) or "fp8": asked for, or named by the checkpoint's
     quantization_config (quant_method "fp8", e.g. Qwen3-*-FP8: loaded dequantized, then quantized
-    per channel, layers/fp8.py). ValueError for another checkpoint quantization, and on a GPU
+    per channel, layers/linear_method.py). ValueError for another checkpoint quantization, and on a GPU
     without float8 matrix cores (before compute capability 8.9)."""
     qc = getattr(hf_config, "quantization_config", None) or {}
     method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)

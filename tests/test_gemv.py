@@ -1,4 +1,4 @@
-"""The one-row product kernel (layers/gemv.py) against float64 products on awkward sizes: partial
+"""The one-row product kernel (kernels/gemv.py) against float64 products on awkward sizes: partial
 tiles in N and K, 16-bit and float8 weights, bias, and SwiGLU's silu(gate) * up or the RMSNorm
 (with the residual add) fused into the loads. Without CUDA it runs in Triton's interpreter, in
 float16 (the interpreter multiplies bfloat16 as integers); on CUDA also in bfloat16 at

@@ -143,7 +143,7 @@ def test_fp8_on_the_gpu(qwen3_06b, fp8, reference_args, max_gap):
     scales, a transposed operand or a stale graph buffer give arbitrary tokens, several logits
     below it). How many sequences equal token for token is printed, not asserted: with random
     weights near-ties are common, and any change of rounding (a norm, a GEMM's tiling) moves
-    that count (benchmarks/NOTES.md, 3-7 of 11 across sessions)."""
+    that count (3-7 of 11 in past runs)."""
     import gc
 
     from nanovllm import LLM, SamplingParams

@@ -10,7 +10,7 @@ map, and the norm's kernel reads the peer's partial sums over NVLink. In a TP=2 
 sequences of Qwen3-8B (2 x H100) the 73 sums took 2.48 ms in NCCL's all-reduces, 1.47 in
 PyTorch's two-shot symmetric-memory all-reduce with its copies, and take 1.02 here, norms
 included; `bench.py --model qwen3-8b --tp 2` 10.85 -> 10.20 s against the two-shot kernel
-(benchmarks/NOTES.md, 2026-11-25). Larger steps (prefill, up to max_num_batched_tokens rows) send
+(docs/perf-log.md, 2026-11-25). Larger steps (prefill, up to max_num_batched_tokens rows) send
 their partial sums to the peer through the copy engines instead (send_partial_sums), chunk by
 chunk while the product computes the next chunk, so the transfer leaves the SMs to the products;
 NCCL's all_reduce shares them and runs after each product. More ranks and CPUs use

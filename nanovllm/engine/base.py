@@ -1,5 +1,5 @@
-"""The engine interface that the LLM facade drives; LLMEngine (one replica) and
-DataParallelEngine (several, nanovllm/parallel/data_parallel.py) implement it."""
+"""The engine interface that the LLM facade drives; LLMEngine (one replica, nanovllm/executor/llm_engine.py) and
+DataParallelEngine (several, nanovllm/executor/data_parallel.py) implement it."""
 from abc import ABC, abstractmethod
 
 from nanovllm.config import Config

@@ -2,7 +2,7 @@
 decode step of at most that many sequences. The attention backend owns the static metadata the
 graphs read (init_graph_state, graph_metadata); this module owns the token ids in, the hidden
 states and this rank's logits out (the LM head inside the graph costs the host no launch: ~0.1 ms
-a step at one sequence, NOTES.md 2026-11-24, third session), and writes a step's ids and
+a step at one sequence, docs/perf-log.md, 2026-11-24), and writes a step's ids and
 metadata into the static buffers before each replay (graph_inputs.py: one kernel)."""
 import torch
 

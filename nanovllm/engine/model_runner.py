@@ -1,7 +1,7 @@
 """Builds the model on this rank's device and runs one packed forward per step: K/V go into the
 paged cache, logits are computed for the sampled rows only and sampled on rank 0. Decode steps
 replay CUDA graphs. Under tensor parallelism every rank has a ModelRunner; rank 0 plans each step
-and sends the plan to the others (nanovllm/parallel/tp_workers.py), and each rank computes the
+and sends the plan to the others (nanovllm/executor/tp_workers.py), and each rank computes the
 logits of its shard of the vocabulary: rank 0 gathers them, or, where every row only scales by
 temperature, each rank draws from its shard and rank 0 takes the best draw (_sample_shards)."""
 from dataclasses import dataclass, replace

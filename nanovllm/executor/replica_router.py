@@ -14,7 +14,7 @@ def request_load(prompt_len: int, max_tokens: int, n: int = 1) -> int:
     max_tokens x (prompt_len + max_tokens / 2) in all. Decode steps of many sequences are bound by
     these reads; prompt plus max_tokens, the earlier measure, left bench.py's default workload's
     two replicas with roofline floors of 2.82 and 2.94 s, this one 2.876 and 2.881: `--dp 2` 4.02
-    -> 3.96 s on 2 x H100 (benchmarks/NOTES.md, 2026-11-25, ninth session)."""
+    -> 3.96 s on 2 x H100 (docs/perf-log.md, 2026-11-25)."""
     return prompt_len + n * max_tokens * (2 * prompt_len + max_tokens) // 2  # an int: loads add and subtract exactly
 
 

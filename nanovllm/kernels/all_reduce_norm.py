@@ -3,8 +3,7 @@ one Triton kernel that reads the peer's partial sums over NVLink from symmetric 
 (process_group.all_reduce_rms_norm sets it up), or, in a prefill step, from local memory the
 peer's copy engine wrote (signal_kernel, wait_kernel). It replaces the copy into the symmetric buffer,
 the two-shot all-reduce, the copy out and the norm: 20.6 -> 12.6 us at 256 rows of 4096 and
-13.9 -> 7.9 at 256 of 1024 (2 x H100, in CUDA graphs; benchmarks/NOTES.md, 2026-11-25, tenth
-session)."""
+13.9 -> 7.9 at 256 of 1024 (2 x H100, in CUDA graphs; docs/perf-log.md, 2026-11-25)."""
 import torch
 import triton
 import triton.language as tl
@@ -68,7 +67,7 @@ def all_reduce_rms_norm_2(own: torch.Tensor, peer: torch.Tensor, flags: torch.Te
         own, peer, flags if meet else own, peer_flags if meet else own, own if residual is None else residual,
         weight, y, r, k, eps, RANK=rank, MEET=meet, HAS_RESIDUAL=residual is not None,
         BLOCK_K=triton.next_power_of_2(k),
-        num_warps=4,  # 256 rows of 4096: 12.4 us, 13.3 with 8 warps (2 x H100, NOTES.md 2026-11-25)
+        num_warps=4,  # 256 rows of 4096: 12.4 us, 13.3 with 8 warps (2 x H100, docs/perf-log.md, 2026-11-25)
         **pdl_args(own.device))
     return y, r
 

@@ -9,7 +9,7 @@ base 2: exp(x) = exp2(x * log2(e)). A float8 cache (SCALED) has a float32 scale 
 head, k_scales/v_scales [num_blocks, block_size, num_kv_heads]. Such tiles are computed in fp16
 (a float32 model's in float32): every e4m3 value is exact in fp16 and converts to it in one
 instruction (to bf16 it does not); with the block-aligned loads this moved the decode kernel from
-0.55 to 0.89 of the copy bandwidth on an H100 (NOTES.md). K enters QK^T as it is, its scales
+0.55 to 0.89 of the copy bandwidth on an H100 (docs/perf-log.md). K enters QK^T as it is, its scales
 applied to the scores; V's scales go into P's columns (G x N products, not N x D) before P @ V.
 q must then fit fp16 (|q| < 65504; q is RMS-normed in Qwen3).
 """

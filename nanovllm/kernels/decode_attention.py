@@ -28,7 +28,7 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
     (acc [D], max, sum) per head and split for reduce_splits_kernel.
     With ROPE, q and the token's k, v are this step's projections, not yet normed, rotated or
     stored: every program norms and rotates its q heads (qk_norm_rope's arithmetic), and the
-    program whose keys end at the token first stores its k and v (qk_norm_rope_kernel's work, one
+    program whose keys end at the token first stores its k and v (qk_norm_rope's work, one
     kernel fewer per layer)."""
     pdl_start(PDL)
     kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -110,8 +110,8 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) ->
     (benchmarks/decode_attention.py --varied). A sweep of splits, BLOCK_N and stages (--sweep) found
     faster choices for batches of 32-128 alone (e.g. batch 32: 0.64 with 2 splits, BLOCK_N 128, 3-4
     stages, against 0.38), but bench.py did not move with them. Unsplit from 4 programs per SM: H100
-    default bench.py 6.415 against 6.437 s (4 runs each), `--num-seqs 64` unchanged (NOTES.md,
-    2026-11-26, thirteenth session)."""
+    default bench.py 6.415 against 6.437 s (4 runs each), `--num-seqs 64` unchanged
+    (docs/perf-log.md, 2026-11-26)."""
     if device.type != "cuda":
         return 1
     programs = num_seqs * num_kv_heads
@@ -125,7 +125,7 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num
     """Attention of one new token per sequence, q: [num_seqs, num_heads, head_dim], over its
     context_lens[i] cached keys; context length 0 gives zeros (padding rows of CUDA graphs).
     kv_scales: (k_scales, v_scales) of a float8 cache, else None. num_warps: by default 4, or 2 for
-    a float8 cache (the fastest of a sweep of tile variants on an H100 at batch 256, NOTES.md
+    a float8 cache (the fastest of a sweep of tile variants on an H100 at batch 256, docs/perf-log.md,
     2026-11-24). new_token: None (q final, the token's k and v already in the cache), or (k
     [num_seqs, num_kv_heads, head_dim], v (same), positions [num_seqs] int64, cos_sin_cache,
     q_weight, k_weight, eps, slot_mapping [num_seqs]) as qk_norm_rope takes them: q and k are

@@ -64,7 +64,7 @@ def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 def swiglu_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """activation.swiglu, then quantize_fp8 of its output, compiled into one kernel on CUDA: the
     gated down_proj's input for scaled_mm. With rms_norm_fp8, 1.24 -> 0.98 ms of norms, gates and
-    quantizations per decode step of 256 rows of Qwen3-8B on an H100 (NOTES.md, 2026-11-26)."""
+    quantizations per decode step of 256 rows of Qwen3-8B on an H100 (docs/perf-log.md, 2026-11-26)."""
     return quantize_fp8(swiglu(x))
 
 

@@ -1,6 +1,6 @@
 """Float8 e4m3 in Triton: quantize_fp8's rounding for kernels (the KV store in
-qk_norm_rope_kernel.py uses it too), and the per-token quantization of activations for float8
-GEMMs (layers/fp8.py fp8_linear) in one kernel, where torch takes eight per linear layer (cast,
+qk_norm_rope.py uses it too), and the per-token quantization of activations for float8
+GEMMs (fp8.py fp8_linear) in one kernel, where torch takes eight per linear layer (cast,
 abs, max, clamp, scale, divide, clamp, cast), ~900 per decode step of a 28-layer model."""
 import torch
 import triton

@@ -9,7 +9,7 @@ us per layer's four): Qwen3-0.6B 27.5 with cuBLAS, 19.6 with this kernel; Qwen3-
 Fusing silu * up into down_proj's loads saves one kernel per layer (9.0 -> 5.2 us at 0.6B). The
 first weight tile is loaded before waiting for the previous kernel (weights never depend on it),
 which lets the RMSNorm's pass over x hide behind the weight loads: RMSNorm + qkv_proj 6.47 ->
-5.07 us at 0.6B, 20.89 -> 18.48 at 8B (NOTES.md, 2026-11-24, second session).
+5.07 us at 0.6B, 20.89 -> 18.48 at 8B (docs/perf-log.md, 2026-11-24).
 """
 import torch
 import triton
@@ -53,7 +53,7 @@ def _residual_sum(x_ptr, res_ptr, offs, K, HAS_RESIDUAL: tl.constexpr):
 def _widen(w, SCALED: tl.constexpr):
     """Weights in float32; float8 (SCALED) ones through float16, which holds every e4m3 value, as
     Triton's direct cast is slower: a layer's four products at Qwen3-8B's shapes 78.6 -> 75.3 us on
-    an H100 (NOTES.md, 2026-11-25, sixth session)."""
+    an H100 (docs/perf-log.md, 2026-11-25)."""
     if SCALED:
         return w.to(tl.float16).to(tl.float32)
     return w.to(tl.float32)
@@ -110,7 +110,7 @@ def gemv_config(k: int, weight_dtype: torch.dtype) -> tuple[int, int, int, int]:
     on every SM: the next kernel's programs become resident under PDL while this one runs and load
     their weights before they wait. In a chain of 28 layers' four products (H100, us per layer):
     bf16 19.1 -> 15.9, float8 15.5 -> 13.6, where the tilings that win alone (2 rows of 1024-wide
-    steps) lose (NOTES.md, 2026-11-26, nineteenth session). Larger K keeps the fastest tilings of a
+    steps) lose (docs/perf-log.md, 2026-11-26). Larger K keeps the fastest tilings of a
     sweep of products alone (benchmarks/gemv.py --sweep): 2048-wide steps and 4 rows per program
     for K >= 4096 (Qwen3-8B), where all of K in one tile gained nothing in bf16 and lost with float8
     weights (100.1-142.2 us per 8B layer over such tilings against 88.3); between the two, not

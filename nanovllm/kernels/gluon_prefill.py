@@ -10,10 +10,10 @@ decoding sequence's item takes all GROUP query heads of one KV head as rows and 
 split its K/V tiles, so decode reads overlap the q tiles' compute across the SMs (POD-Attention's
 point, Kamath et al., ASPLOS 2025) without a second kernel.
 H100, q normed and rotated inside, a step of 16,384 tokens: prompts of 1000-2000 tokens after D
-decoding sequences (contexts 1000-2000), us (the Triton kernel -> this design, exp/gl_attn11.py):
+decoding sequences (contexts 1000-2000), us (the Triton kernel -> this design):
 Qwen3-0.6B's heads (16 on 8) D = 0 296 -> 251, 64 406 -> 361, 200 624 -> 597; Qwen3-8B's (32 on
-8) 591 -> 491, 704 -> 614, 919 -> 839. bench.py prefill-heavy: 1.25 -> 1.22 s, medians (NOTES.md,
-2026-11-27, twenty-second session).
+8) 591 -> 491, 704 -> 614, 919 -> 839. bench.py prefill-heavy: 1.25 -> 1.22 s, medians
+(docs/perf-log.md, 2026-11-27).
 Only for Hopper, q in bf16 or fp16, head_dim 128, an even number of query heads per KV head, and
 a model-dtype cache whose blocks hold whole 128-token tiles; TritonBackend takes the Triton kernel
 otherwise."""

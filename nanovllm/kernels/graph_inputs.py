@@ -4,8 +4,7 @@ Before each replay the graph's token ids and attention metadata must hold the st
 rows past the batch padding (slot -1: no KV write; context length 0: zero output). Done with torch
 ops that is nine small kernels a step (the pending tokens' gather and scatter, the copies, the
 fills); this kernel does it in one. On an H100 decode steps of 1-2 sequences took ~20 us less
-(0.84 against 0.86 ms, 1.24 against 1.26), within a noisy machine's spread (NOTES.md, 2026-11-25,
-fourth session)."""
+(0.84 against 0.86 ms, 1.24 against 1.26), within a noisy machine's spread (docs/perf-log.md, 2026-11-25)."""
 import torch
 import triton
 import triton.language as tl

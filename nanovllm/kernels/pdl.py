@@ -5,7 +5,7 @@ one's tail. Such a kernel must not touch anything the previous kernel writes bef
 griddepcontrol.wait returns (which waits for that kernel's completion and memory); our kernels
 call pdl_start first thing, so nothing of theirs runs early but their launch. Measured on an H100
 (a CUDA graph of 28 layers' four one-row GEMVs with real data dependencies): 19.55 -> 16.87 us
-per layer, ~0.7 us per kernel (NOTES.md, 2026-11-24)."""
+per layer, ~0.7 us per kernel (docs/perf-log.md, 2026-11-24)."""
 import functools
 
 import torch

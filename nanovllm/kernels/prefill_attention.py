@@ -32,13 +32,13 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_sca
     Decode programs are memory-bound and q tiles compute-bound; spread, they share the SMs (as
     POD-Attention, Kamath et al., ASPLOS 2025): H100, 16,384 tokens of which D decode at contexts
     of 1000-2000, us per layer, decode kernel + this kernel's q tiles -> one spread grid: D = 64
-    405 -> 383, 128 513 -> 460, 200 674 -> 592 (NOTES.md, 2026-11-26, sixteenth session).
+    405 -> 383, 128 513 -> 460, 200 674 -> 592 (docs/perf-log.md, 2026-11-26).
     Where BLOCK_N divides BLOCK_SIZE, the unmasked tiles' block indices are loaded one tile ahead
     (a load on a tile's own address chain stalls its pipelined K/V loads: 245 -> 207 us in a test
     kernel) and with TMA their K/V come through the tensor descriptors k_desc, v_desc. This kernel
     on an H100, Qwen3-0.6B's heads, q rotated inside, bf16: 16 x 1024 tokens 243.5 us with the
     block-table row in registers (before), 242.6 with the index a tile ahead, 224.6 with TMA; 8 x
-    2048 403.9, 412.5, 375.1 (NOTES.md, 2026-11-26, fifteenth session).
+    2048 403.9, 412.5, 375.1 (docs/perf-log.md, 2026-11-26).
     With ROPE, q is this step's projection, not yet normed (NORM: q_weight) or rotated: the
     program does that to its tile (qk_norm_rope's arithmetic, at the query's position in its
     sequence), so q makes no round trip through memory before attention.
@@ -168,8 +168,8 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tab
     context_lens[i] - n .. context_lens[i] - 1) over the paged cache; kv_scales: (k_scales, v_scales)
     of a float8 cache, else None. new_q: None (q final), or (cos_sin_cache, q_weight or None, eps) as
     qk_norm_rope takes them: q is then normed and rotated inside the kernel (not written). That saves
-    q's read and write in qk_norm_rope_kernel: at 16 x 1024 tokens of Qwen3-0.6B on an H100 that
-    kernel 110.6 -> 53.4 us, this one 236.5 -> 247.3 (NOTES.md, 2026-11-26, fourteenth session).
+    q's read and write in qk_norm_rope's kernel: at 16 x 1024 tokens of Qwen3-0.6B on an H100 that
+    kernel 110.6 -> 53.4 us, this one 236.5 -> 247.3 (docs/perf-log.md, 2026-11-26).
     num_decodes: the first num_decodes sequences have one new token each (so q rows 0 ..
     num_decodes - 1) and get one program per KV head over their whole context, as the decode
     kernel's (see prefill_attention_kernel), instead of a q tile per head. tma: K/V tiles

@@ -1,6 +1,6 @@
 """One Triton pass over each token's q and k heads, in place: optional per-head RMSNorm (Qwen3's
 q_norm/k_norm) then rotary embedding in the rotate-half layout, and optionally the token's k and
-v written into the paged KV cache (a float8 cache with its scales, as layers/fp8.py quantize_fp8
+v written into the paged KV cache (a float8 cache with its scales, as fp8.py quantize_fp8
 computes them). Replaces six kernels (two norms, two rotations, the cache store) that each read
 and wrote q, k or v. rope_store_kv is the same pass over k alone into the cache, nothing written
 back: prefill attention norms and rotates q itself."""

@@ -15,8 +15,7 @@ most of the gain, which is why the norm and the gate between the products are ke
 chain too rather than the compiled torch ones. Measured on an H100 (benchmarks/decode_gemm.py, a
 layer's chain as the model runs it, us per layer, cuBLAS -> here): 30.8 -> 20.9 at M = 2, 31.5 ->
 22.6 at 16, 32.3 -> 28.8 at 32, 33.1 -> 28.7 at 48; from 96 rows on under 2% (34.0 -> 33.4 at 96),
-so cuBLAS takes more than 64 (NOTES.md, 2026-11-25, fifth and seventh sessions; 2026-11-26,
-nineteenth).
+so cuBLAS takes more than 64 (docs/perf-log.md, 2026-11-25, 2026-11-26).
 """
 import torch
 import triton
@@ -103,7 +102,7 @@ def silu_and_mul_rows_kernel(x_ptr, y_ptr, K, BLOCK_K: tl.constexpr, PDL: tl.con
 
 def skinny_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for 16-bit weights, from sweeps on an H100 at
-    Qwen3-0.6B's shapes (NOTES.md, 2026-11-25 fifth to seventh sessions, 2026-11-26 nineteenth).
+    Qwen3-0.6B's shapes (docs/perf-log.md, 2026-11-25, 2026-11-26).
     Up to 16 rows with K <= 3072: each program takes one K step in one stage, so it loads its whole
     weight slice before the PDL wait, and the grid leaves room on every SM for the next kernel's
     programs, which load theirs while this one runs: 32 weight rows per program (16 on 2 warps for

@@ -1,4 +1,6 @@
-"""The building blocks of the models: tensor-parallel linear layers and embeddings (linear.py,
-embed_head.py, given their TensorParallel rank and size when built), norms, activation, the rotary
-embedding, paged attention and its backends (attention/), and the sampler with its Triton kernels.
+"""The models' building blocks, as torch modules: tensor-parallel linear layers whose products go
+through a LinearMethod (linear.py, linear_method.py), the vocabulary-parallel embedding and LM head
+(embed_head.py), RMSNorm (layernorm.py), the rotary embedding, and paged attention with its
+backends (attention/). Each takes its TensorParallel rank and size when built; the kernels they
+run are nanovllm/kernels'.
 """

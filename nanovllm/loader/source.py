@@ -118,7 +118,7 @@ def iter_weights(path: str, load_format: str, hf_config: PretrainedConfig):
         with safe_open(file, "pt", "cpu") as f:
             for name in f.keys():
                 if name.endswith(FP8_SCALES):
-                    continue  # read with their weights; activations get scales of their own (layers/fp8.py)
+                    continue  # read with their weights; activations get scales of their own (nanovllm/kernels/fp8.py)
                 tensor = f.get_tensor(name)
                 yield name, _dequantized(name, tensor, where, block) if tensor.dtype == torch.float8_e4m3fn else tensor
 

@@ -112,7 +112,7 @@ class AttentionBackend:
 
     def init_graph_state(self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device):
         """Allocate the static metadata of decode graphs for up to max_num_seqs sequences (the graph
-        runner writes each step's into them: engine/graph_inputs.py)."""
+        runner writes each step's into them: kernels/graph_inputs.py)."""
         def zeros(*shape, dtype=torch.int32):
             return torch.zeros(shape, dtype=dtype, device=device)
         self.graph_meta = AttentionMetadata(

@@ -1,4 +1,5 @@
-"""Our own paged-attention backend: the Triton kernels of triton_kernels.py and qk_norm_rope_kernel.py."""
+"""Our own paged-attention backend: the Triton kernels of nanovllm/kernels (prefill_attention.py,
+decode_attention.py, gluon_prefill.py and qk_norm_rope.py)."""
 import numpy as np
 import torch
 
@@ -11,18 +12,18 @@ from nanovllm.kernels.qk_norm_rope import qk_norm_rope, rope_store_kv
 # prefill attention's grid from this many on; below, 64-row q tiles like the others (H100, a step of
 # 16,384 tokens, decoding contexts 1000-2000, us per layer, q tiles -> decode programs: bf16 8 of them
 # 332.4 -> 337.8, 16 369.8 -> 366.6, 32 426.7 -> 386.3, 200 877.4 -> 638.0; float8 8 610.8 -> 593.5,
-# 200 1424.0 -> 868.5; NOTES.md, 2026-11-26, sixteenth session).
+# 200 1424.0 -> 868.5; docs/perf-log.md, 2026-11-26).
 DECODE_PROGRAMS_FROM = 16
 # A float8 cache's decode steps store the new token inside the attention kernel up to this many
 # sequences; beyond, every split program's float8 store and q rotation cost more than the kernel
 # they save (H100, Qwen3-0.6B, graph us separate -> fused: 1 sequence 902 -> 858, 8 1193 -> 1141,
-# 16 1325 -> 1314, 32 1673 -> 1720, 256 5590 -> 5808; NOTES.md, 2026-11-25, sixth session).
+# 16 1325 -> 1314, 32 1673 -> 1720, 256 5590 -> 5808; docs/perf-log.md, 2026-11-25).
 FUSED_FP8_MAX_SEQS = 16
 
 
 class TritonBackend(AttentionBackend):
     """The Triton kernels. Decode: split-KV attention that also norms and rotates q and k and stores
-    k, v (with a float8 cache up to FUSED_FP8_MAX_SEQS sequences; past that, qk_norm_rope_kernel
+    k, v (with a float8 cache up to FUSED_FP8_MAX_SEQS sequences; past that, qk_norm_rope
     first). Prefill: one kernel norms, rotates and stores k and stores v, then paged prefill
     attention norms and rotates its q tiles; a mixed step's decoding sequences, from
     DECODE_PROGRAMS_FROM of them, get decode programs in its grid.
@@ -30,7 +31,7 @@ class TritonBackend(AttentionBackend):
     area (when they fit), and the q tiles read those as a model-dtype cache: converting float8
     tiles inside the kernel runs it at half its bf16 speed (H100, 16 x 1024 tokens of Qwen3-0.6B:
     bf16 197 us, float8 converted inside 388, of which 110 the conversion and 80 the scales'
-    loads; the dequantization moves 101 MB in 42 us. NOTES.md, 2026-11-26, seventeenth session).
+    loads; the dequantization moves 101 MB in 42 us. docs/perf-log.md, 2026-11-26).
     The values are the float8 cache's, rounded once to the model dtype.
     On Hopper with a model-dtype cache, prefill attention is gluon_prefill's persistent kernel
     instead (where its shapes allow: see gluon_usable), over a work list built on the host."""
