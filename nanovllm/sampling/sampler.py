@@ -78,7 +78,7 @@ def topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     int64); on CUDA, for k up to sampling_kernel.MAX_KERNEL_TOPK, by its chunked_topk
     (float32 values; benchmarks/sampler_costs.py measures both)."""
     if logits.is_cuda:
-        from nanovllm.kernels.sampling import MAX_KERNEL_TOPK, chunked_topk
+        from nanovllm.kernels.logits_stats import MAX_KERNEL_TOPK, chunked_topk
         if k <= min(MAX_KERNEL_TOPK, logits.size(-1)):
             return chunked_topk(logits, k)
     return logits.topk(k, dim=-1)
@@ -92,7 +92,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Tok
     chosen = logits.gather(1, token_ids.unsqueeze(1)).float()
     top, top_ids = topk(logits, k)
     if logits.is_cuda:
-        from nanovllm.kernels.sampling import logsumexp_and_rank
+        from nanovllm.kernels.logits_stats import logsumexp_and_rank
         lse, rank = logsumexp_and_rank(logits, token_ids)
     else:
         x = logits.float()
