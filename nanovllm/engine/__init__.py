@@ -5,7 +5,7 @@ RequestOutputs; llm_engine.py runs steps: the Scheduler (scheduler.py) picks eac
 within its budget, the BlockManager (block_manager.py) gives them paged KV blocks and
 prefix-cache hits, the ModelRunner (model_runner.py) plans the step's inputs (step_inputs.py),
 runs the forward (replaying cuda_graphs.py for decode) over the KV cache (kv_cache.py) and
-samples with the rows' SamplingTensors (sampling_inputs.py); detokenizer.py grows the text
+samples with its StepSampler (nanovllm/sampling); detokenizer.py grows the text
 token by token and stop_checker.py decides when a sequence ends. base.py is the interface that LLM drives, which LLMEngine and the
 data-parallel engine (nanovllm/parallel) implement.
 """
