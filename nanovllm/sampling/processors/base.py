@@ -47,7 +47,7 @@ class LogitsProcessor:
 
     - What it reads of a request is a SamplingParams field whose validate() makes
       needs_processing true when set (the gate that keeps plain batches free of any processor
-      work). The engine's Processor
+      work), or params.extra_args (a processor from outside the package). The engine's Processor
       (engine/processor.py) checks token ids against the vocabulary and tokenizes what needs the
       tokenizer (bad_words -> Sequence.bad_words_ids): a processor sees token ids only.
     - Per-row state that lasts across steps (penalties' token counts, a grammar's matcher) is
