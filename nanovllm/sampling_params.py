@@ -40,6 +40,8 @@ class SamplingParams:
     space, is blocked at its last token).
     truncate_prompt_tokens: keep only the prompt's last k tokens (-1: the last max_model_len).
     output_kind: what LLMEngine.step reports of unfinished requests (LLM.generate sets FINAL_ONLY).
+    extra_args: arguments for custom logits processors (nanovllm/sampling/processors), which read
+    them in their applies() and prepare(); no built-in one does.
     """
     n: int = 1
     presence_penalty: float = 0.0
@@ -66,9 +68,10 @@ class SamplingParams:
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    extra_args: dict | None = None
     # derived by validate(): `stop` as a tuple, whether a penalty applies, and whether anything but
-    # temperature and the filters shapes the logits (penalties, logit_bias, banned or allowed
-    # tokens, min_tokens)
+    # temperature and the filters may shape the logits (penalties, logit_bias, banned or allowed
+    # tokens, min_tokens, extra_args for a custom processor): the logits processors look only at those
     stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
     has_penalties: bool = field(init=False, repr=False, compare=False, default=False)
     needs_processing: bool = field(init=False, repr=False, compare=False, default=False)
@@ -126,9 +129,11 @@ class SamplingParams:
             raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}")
         self.has_penalties = bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
         self.needs_processing = bool(self.has_penalties or self.logit_bias or self.bad_words or self.allowed_token_ids is not None
-                                     or self.min_tokens)
+                                     or self.min_tokens or self.extra_args is not None)
 
 
 def _is_id(t) -> bool:

@@ -2,8 +2,8 @@
 paged cache, logits are computed for the sampled rows only and sampled on rank 0. Decode steps
 replay CUDA graphs. Under tensor parallelism every rank has a ModelRunner; rank 0 plans each step
 and sends the plan to the others (nanovllm/executor/tp_workers.py), and each rank computes the
-logits of its shard of the vocabulary: rank 0 gathers them, or, where every row only scales by
-temperature, each rank draws from its shard and rank 0 takes the best draw (_sample_shards)."""
+logits of its shard of the vocabulary, which the StepSampler (nanovllm/sampling) of every rank
+samples together."""
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -13,14 +13,13 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.kv_cache import KVCacheSpec, num_kv_blocks
 from nanovllm.sequence import Sequence
-from nanovllm.sampling.inputs import TokenCounts, sampling_tensors
 from nanovllm.engine.step_inputs import Stager, StepPlan, plan_step
 from nanovllm.engine.trace import region
 from nanovllm.layers.attention import Attention, make_backend
 from nanovllm.layers.linear import process_weights_after_loading
 from nanovllm.layers.linear_method import linear_method
-from nanovllm.sampling.sampler import (Sampler, SamplingTensors, TokenLogprobs, first_max, shard_candidates,
-                                     token_logprobs)
+from nanovllm.sampling.sampler import SamplingTensors, TokenLogprobs, token_logprobs
+from nanovllm.sampling.step_sampler import StepSampler
 from nanovllm.loader.source import iter_weights
 from nanovllm.loader.weights import dummy_weights, load_weights
 from nanovllm.models.registry import model_class
@@ -65,8 +64,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.backend = make_backend(config.attention_backend)
         self.model = self._build_model()
-        self.sampler = Sampler(config.seed, config.logprobs_mode)
-        self.token_counts = TokenCounts(self.hf_config.vocab_size, self.device)
+        self.sampler = StepSampler(config, self.model.lm_head, self.device)
         # what execute() uses, set before the warm-up step that sizes the KV cache runs it
         self.stager = Stager(self.device)
         self._prev_rows: dict[int, int] = {}  # seq_id -> row of the last launched step's sampled tokens
@@ -152,13 +150,11 @@ class ModelRunner:
             scheduled.append((seq, n))
         cache = self.kv_spec.allocate(next_block, self.device)
         self.backend.bind_kv_cache(cache)
-        plan = plan_step(scheduled, bs, {})[0]
-        plan.sample_shards = self.world_size > 1  # compiles the shards' sampler on every rank
-        self.execute(plan)
-        if self.rank == 0:
-            logits = torch.zeros(cfg.max_num_seqs, self.hf_config.vocab_size, device=self.device, dtype=self.dtype)
-            self.sampler(logits, SamplingTensors(torch.ones(cfg.max_num_seqs, device=self.device)))  # compiles its kernel
-            del logits
+        plan, seqs, _ = plan_step(scheduled, bs, {})
+        self.execute(plan, st=self.sampler.prepare(seqs, {}, None))  # greedy: under tensor parallelism, from shards
+        logits = torch.zeros(cfg.max_num_seqs, self.model.lm_head.weight.size(0), device=self.device, dtype=self.dtype)
+        self.sampler(logits, SamplingTensors(torch.ones(cfg.max_num_seqs, device=self.device)))  # compiles its kernel
+        del logits
         self.backend.bind_kv_cache(None)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -178,25 +174,20 @@ class ModelRunner:
         st = None
         if seqs:
             with region("sampling"):
-                st = sampling_tensors(seqs, self.device, self.hf_config.vocab_size, self.config.eos_token_ids,
-                                      self._prev_rows, self._prev_sampled, self.token_counts)
-            plan.sample_shards = self.world_size > 1 and (st is None or (st.only_temperature and st.num_logprobs < 0))
+                st = self.sampler.prepare(seqs, self._prev_rows, self._prev_sampled)
         if self.workers is None:
             out, prompt_lp = self.execute(plan, self._prev_sampled, st)
         else:
             with self.workers.step_guard():
-                self.workers.send(replace(plan, input_ids=None, pending=None))
+                self.workers.send(replace(plan, input_ids=None, pending=None), st and st.for_workers())
                 out, prompt_lp = self.execute(plan, self._prev_sampled, st)
         self._prev_rows = {seq.seq_id: row for row, seq in enumerate(seqs)}
         self._prev_sampled = sampled = logprobs = None
         if out is None and prompt_lp is None:
             return None
         if out is not None:
-            with region("sampling"):
-                sampled, logprobs = (out, None) if plan.sample_shards else self.sampler(out, st)
-                if st is not None and st.count_rows is not None:
-                    self.token_counts.add(st.count_rows, sampled)
-                self._prev_sampled = sampled
+            sampled, logprobs = out
+            self._prev_sampled = sampled
         if self.device.type != "cuda":
             return LaunchedStep(seqs, sampled, None, logprobs, prompt_lp and (prompt_spans, prompt_lp))
         self._pinned.reverse()  # two buffers in turn: at most two steps' tokens are unread at once
@@ -219,10 +210,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, prev_sampled: torch.Tensor | None = None, st: SamplingTensors | None = None):
-        """Run the forward of one step on this rank; returns, on rank 0, the logits of
-        plan.sample_rows (with plan.sample_shards: their sampled token ids, drawn with st) and the
-        TokenLogprobs of plan.prompt_rows (each None when there are none; both None on the other
-        ranks)."""
+        """Run the forward of one step on this rank and sample plan.sample_rows with st (rank 0's
+        SamplingTensors; for_workers() of it on the other ranks); returns, on rank 0, (their token
+        ids, TokenLogprobs or None) and the TokenLogprobs of plan.prompt_rows (each None when
+        there are none; both None on the other ranks)."""
         with region("prepare_inputs"):
             tensors = self.stager.upload_plan(plan, self.backend.host_arrays(plan))
             meta = self.backend.build_metadata(plan, tensors)
@@ -256,31 +247,8 @@ class ModelRunner:
                 logits = self.model.lm_head(hidden[tensors["sample_rows"]] if gather_rows else hidden)
             elif gather_rows:
                 logits = logits[tensors["sample_rows"]]
-            if plan.sample_shards:
-                return self._sample_shards(logits, st), prompt_lp
-            return self.model.lm_head.gather(logits), prompt_lp
-
-    def _sample_shards(self, logits: torch.Tensor, st: SamplingTensors | None) -> torch.Tensor | None:
-        """Tensor parallelism, rows that only scale by temperature (or are greedy): each rank draws
-        the Gumbel-max candidates of its shard of the vocabulary, logits [N, vocab / tp_size], with
-        rank 0's temperatures and seeds (broadcast), and rank 0 takes each row's best of all: the
-        token ids [N] on rank 0, None elsewhere. The same draw as the Sampler's from whole rows,
-        without gathering them (78 MB of bf16 logits for 256 rows of Qwen3's vocabulary)."""
-        params = torch.zeros(2, logits.size(0), dtype=torch.int32, device=self.device)  # temperatures' bits, seeds
-        if self.rank == 0 and st is not None and st.temperatures is not None:  # else all greedy: no noise, no seeds
-            params[0] = st.temperatures.view(torch.int32)
-            params[1] = self.sampler.kernel_seeds(logits.size(0), st)
-        dist.broadcast(params, 0)
-        head = self.model.lm_head
-        maxima, ids = shard_candidates(logits, params[0].view(torch.float32), params[1], head.vocab_start,
-                                       head.num_real)
-        mine = torch.stack([maxima.view(torch.int32), ids.to(torch.int32)])  # [2, N, C]: one message
-        parts = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
-        dist.gather(mine, parts, 0)
-        if self.rank != 0:
-            return None
-        both = torch.cat(parts, 2)  # the ranks' shards in vocabulary order
-        return first_max(both[0].view(torch.float32), both[1].long())
+        with region("sampling"):
+            return self.sampler(logits, st), prompt_lp
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor, tensors: dict) -> TokenLogprobs | None:
         """The raw logprobs of the prompt tokens after plan.prompt_rows (vLLM's prompt_logprobs), with
@@ -295,7 +263,7 @@ class ModelRunner:
     def reset(self):
         """Forget the last launched step (after its requests were aborted)."""
         self._prev_rows, self._prev_sampled = {}, None
-        self.token_counts.rows = {}
+        self.sampler.reset()
 
     def synchronize(self):
         if self.device.type == "cuda" and not (self.workers and self.workers.broken):

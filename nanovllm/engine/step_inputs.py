@@ -26,9 +26,6 @@ class StepPlan:
     prompt_rows: np.ndarray  # [Q] token rows whose logits give prompt logprobs (prompt_logprobs)
     prompt_targets: np.ndarray  # [Q]: the prompt token after each of those rows
     num_prompt_logprobs: int  # top tokens to return with them
-    # tensor parallelism: each rank draws from its vocabulary shard (ModelRunner._sample_shards) rather
-    # than rank 0 from gathered logits; rank 0 decides, for steps whose rows only scale by temperature
-    sample_shards: bool = False
 
     INT32 = ("cu_seqlens_q", "context_lens", "block_tables")  # the rest go up as int64
 
