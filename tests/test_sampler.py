@@ -271,7 +271,7 @@ def test_logsumexp_and_rank_kernel(dtype):
     """The one-pass logprob kernel (Triton's interpreter without CUDA) against float32 torch, on a
     vocabulary of several chunks with a ragged end, -inf entries and ties with the token's logit."""
     pytest.importorskip("triton")
-    from nanovllm.kernels.sampling import logsumexp_and_rank
+    from nanovllm.kernels.logits_stats import logsumexp_and_rank
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = (torch.randn(3, 17001, generator=torch.Generator().manual_seed(9)) * 4).to(device, dtype)
     x[0, :9000] = float("-inf")  # a whole chunk of -inf and part of the next
@@ -292,7 +292,7 @@ def test_chunked_topk_kernel(k, vocab):
     threshold from the chunk maxima), a last chunk shorter than k, ties at the top across chunks,
     a row mostly -inf, and a bf16 row."""
     pytest.importorskip("triton")
-    from nanovllm.kernels.sampling import chunked_topk
+    from nanovllm.kernels.logits_stats import chunked_topk
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(4, vocab, generator=torch.Generator().manual_seed(k)) * 3
     x[1, 100:110] = x[1, 3000:3005] = x[1, 4100] = 9.0  # 16 equal maxima over three chunks

@@ -75,11 +75,11 @@ class TokenLogprobs:
 
 def topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(logits, k, dim=-1) of logits [N, vocab]: (values [N, k], descending; ids [N, k]
-    int64); on CUDA, for k up to sampling_kernel.MAX_KERNEL_TOPK, by its chunked_topk
+    int64); on CUDA, for 1 <= k <= logits_stats.MAX_KERNEL_TOPK, by its chunked_topk
     (float32 values; benchmarks/sampler_costs.py measures both)."""
     if logits.is_cuda:
-        from nanovllm.kernels.sampling import MAX_KERNEL_TOPK, chunked_topk
-        if k <= min(MAX_KERNEL_TOPK, logits.size(-1)):
+        from nanovllm.kernels.logits_stats import MAX_KERNEL_TOPK, chunked_topk
+        if 1 <= k <= min(MAX_KERNEL_TOPK, logits.size(-1)):  # k = 0: logprobs=0 asks for the sampled token's alone
             return chunked_topk(logits, k)
     return logits.topk(k, dim=-1)
 
@@ -88,11 +88,11 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Tok
     """The log-softmax of logits [R, vocab] (computed in float32) at token_ids [R], their ranks,
     and the top k. The [R, vocab] log-softmax is never written: logprob = logit - logsumexp, and
     ranks and the top k are the same on logits as on logprobs. On CUDA the logsumexp and ranks
-    come from one read of the logits (sampling_kernel.logsumexp_and_rank)."""
+    come from one read of the logits (logits_stats.logsumexp_and_rank)."""
     chosen = logits.gather(1, token_ids.unsqueeze(1)).float()
     top, top_ids = topk(logits, k)
     if logits.is_cuda:
-        from nanovllm.kernels.sampling import logsumexp_and_rank
+        from nanovllm.kernels.logits_stats import logsumexp_and_rank
         lse, rank = logsumexp_and_rank(logits, token_ids)
     else:
         x = logits.float()
