@@ -2,13 +2,15 @@
 
 Default: 256 sequences, prompts of randint(100, 1024) random token ids, max_tokens randint(100, 1024),
 temperature 0.6 (--temperature, --top-p, --top-k, --min-p, --presence-penalty, --logprobs, --n change the
-sampling; --n 8 takes 256 / 8 prompts with 8 completions each), ignore_eos, on Qwen3-0.6B with random
-weights (the work done does not depend on the weight values). Throughput = output tokens / wall time
-of one generate call after a warm-up. --latency: one sequence, a 128-token prompt and 512 greedy
-tokens, reported in ms per token. --kv-cache-dtype fp8: a float8 KV cache (the floor counts its
-bytes: one per value and a 4-byte scale per head vector). --quantization fp8: float8 weights in
-the linear layers (the floor counts one byte per weight, and the float8 GEMM's measured rate for
-every FLOP). The time LLM(...) takes to start is printed too, and the KV cache's size in tokens.
+sampling; --logprobs 5 returns lists of {token id: Logprob} dicts as vLLM does, with --flat-logprobs
+FlatLogprobs whose dicts are made when read; --n 8 takes 256 / 8 prompts with 8 completions each),
+ignore_eos, on Qwen3-0.6B with random weights (the work done does not depend on the weight values).
+Throughput = output tokens / wall time of one generate call after a warm-up. --latency: one
+sequence, a 128-token prompt and 512 greedy tokens, reported in ms per token. --kv-cache-dtype fp8:
+a float8 KV cache (the floor counts its bytes: one per value and a 4-byte scale per head vector).
+--quantization fp8: float8 weights in the linear layers (the floor counts one byte per weight, and
+the float8 GEMM's measured rate for every FLOP). The time LLM(...) takes to start is printed too,
+and the KV cache's size in tokens.
 
 The floor is a roofline lower bound (floor_seconds): per step of an ideal schedule, the larger of
 the bytes it must move (weights, KV read and written) at the measured device-to-device bandwidth
@@ -144,7 +146,8 @@ def run_nanovllm(args, prompts, max_tokens):
               f"{runner.num_kvcache_blocks * runner.block_size} tokens in {runner.kv_spec.dtype}"
               + (f" (and a {staging / 2**20:.0f} MiB staging area for prefill attention)" if staging else ""))
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                    presence_penalty=args.presence_penalty, logprobs=args.logprobs, ignore_eos=True)
+                    presence_penalty=args.presence_penalty, logprobs=args.logprobs, flat_logprobs=args.flat_logprobs,
+                    ignore_eos=True)
     params = [SamplingParams(n=args.n, max_tokens=m, **sampling) for m in max_tokens]
     # the warm-up generate: a short prompt (as nano-vllm's bench) for each data-parallel replica (the
     # router gives equal prompts to the least loaded one), or --warmup-seqs of the workload's prompts
@@ -283,6 +286,8 @@ def main():
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--logprobs", type=int, default=None, help="return this many top logprobs per token")
+    p.add_argument("--flat-logprobs", action="store_true",
+                   help="logprobs as FlatLogprobs (dicts made when read), not lists of dicts (vLLM's default)")
     p.add_argument("--n", type=int, default=1, help="completions per prompt (--num-seqs / n prompts)")
     p.add_argument("--profile", metavar="DIR", help="write a torch profiler Chrome trace of a few steps to DIR")
     p.add_argument("--profile-skip", type=int, default=40, help="steps run before the profiled ones")

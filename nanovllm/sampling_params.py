@@ -33,7 +33,9 @@ class SamplingParams:
     max_tokens: most completion tokens (None: up to max_model_len). min_tokens: EOS and
     stop_token_ids are masked (and stop strings ignored) until this many were generated.
     logprobs: return the log-probabilities of the sampled token and this many top tokens per step.
-    prompt_logprobs: likewise for each prompt token. detokenize: produce text.
+    prompt_logprobs: likewise for each prompt token. flat_logprobs: return them as a FlatLogprobs
+    sequence whose {token id: Logprob} dicts are made when read (cheaper when few are read), not
+    as a list of dicts. detokenize: produce text.
     skip_special_tokens, spaces_between_special_tokens: how text is decoded (as transformers' decode).
     logit_bias: {token id: bias added to its logit}. allowed_token_ids: only these may be sampled.
     bad_words: words never generated (each token sequence of the word, with and without a leading
@@ -58,6 +60,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    flat_logprobs: bool = False
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -102,7 +105,7 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, Integral) or isinstance(k, bool) or not (k == -1 or k >= 1)):
             raise ValueError(f"truncate_prompt_tokens must be None, -1 (max_model_len) or an integer >= 1, got {k!r}")
-        for name in ("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens",
+        for name in ("include_stop_str_in_output", "ignore_eos", "flat_logprobs", "detokenize", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

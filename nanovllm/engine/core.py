@@ -128,7 +128,7 @@ class EngineCore(EngineBase):
         report the requests that changed."""
         changed: dict[str, Request] = {}
         tokens = self.model_runner.read_tokens(launched)
-        # a position's logprobs stay in the step's arrays, (arrays, row), until read (outputs.SampleLogprobs)
+        # a position's logprobs stay in the step's arrays, (arrays, row), until reported (Processor._logprobs)
         arrays = launched.logprobs.numpy() if launched.logprobs is not None else None
         chosen = arrays[1][:, 0].tolist() if arrays is not None else None
         row = -1  # the step's logprob rows are its sampled rows that asked for logprobs, in order
