@@ -42,7 +42,8 @@ class Config:
     sampling. tensor_parallel_size: GPUs (or CPU processes) one model is split across.
     data_parallel_size: engine replicas, each on its own tensor_parallel_size GPUs, that share the
     prompts of a generate call. generation_config: "auto" (the model's generation_config.json gives
-    the default SamplingParams' temperature, top_p, top_k, min_p and repetition_penalty) or
+    the default SamplingParams' temperature, top_p, top_k, min_p, repetition_penalty, and its
+    max_new_tokens their max_tokens) or
     "vllm" (vLLM's defaults). When max_model_len is left unset and the model's maximum does not
     fit the KV cache, the engine lowers it to what fits (and logs it). logprobs_mode: "raw_logprobs"
     (the model's log-softmax) or "processed_logprobs" (of the logits sampled from: after penalties,

@@ -48,7 +48,8 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's defaults overridden by the model's generation_config.json (temperature, top_p,
-        top_k, min_p, repetition_penalty), unless the engine has generation_config="vllm"."""
+        top_k, min_p, repetition_penalty, and max_new_tokens as max_tokens), unless the engine has
+        generation_config="vllm"."""
         return SamplingParams(**self.config.generation_defaults)
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:

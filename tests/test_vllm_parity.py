@@ -1,0 +1,100 @@
+"""A vLLM user's code, written from vLLM's documentation, run on nanovllm: the names it imports,
+the types it gets back, the defaults it relies on, and clear errors for what nanovllm lacks."""
+import dataclasses
+import json
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from nanovllm import LLM, CompletionOutput, LLMEngine, Logprob, RequestOutput, SamplingParams, TokensPrompt
+from nanovllm.sampling_params import RequestOutputKind
+from tests.conftest import hf_greedy, random_prompts
+
+ARGS = dict(device="cpu", kvcache_block_size=16, max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_qwen3):
+    return LLM(tiny_qwen3[0], **ARGS)
+
+
+# ---- outputs: vLLM's types, logprobs as plain lists -----------------------------------------
+
+def test_logprobs_are_lists_of_dicts(llm):
+    """vLLM's default: CompletionOutput.logprobs a list with one {token id: Logprob} per token, and
+    RequestOutput.prompt_logprobs a list with None first; lists, so list operations, pickling and
+    dataclasses.asdict + json work on them."""
+    prompt = random_prompts([9], seed=40)[0]
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=5, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    [out] = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    assert isinstance(out, RequestOutput) and isinstance(out.outputs[0], CompletionOutput)
+    completion = out.outputs[0]
+    assert type(completion.logprobs) is list and len(completion.logprobs) == 5
+    for token, position in zip(completion.token_ids, completion.logprobs):
+        assert type(position) is dict and token in position and 2 <= len(position) <= 3
+        assert all(isinstance(lp, Logprob) and lp.logprob <= 0 and lp.rank >= 1 for lp in position.values())
+    assert type(out.prompt_logprobs) is list and out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 9
+    assert all(prompt[i] in out.prompt_logprobs[i] for i in range(1, 9))
+    assert completion.logprobs[1:3] + [] == [completion.logprobs[1], completion.logprobs[2]]
+    assert pickle.loads(pickle.dumps(completion)) == completion
+    as_json = json.loads(json.dumps(dataclasses.asdict(out)))
+    first = completion.token_ids[0]
+    assert as_json["outputs"][0]["logprobs"][0][str(first)]["logprob"] == completion.logprobs[0][first].logprob
+    assert out.metrics is None  # as vLLM's LLM, which keeps no per-request stats by default
+
+
+def test_flat_logprobs_hold_the_same_values(llm):
+    """SamplingParams(flat_logprobs=True): vLLM's FlatLogprobs, a read-only sequence of the same dicts."""
+    from nanovllm.outputs import FlatLogprobs
+    prompt = random_prompts([9], seed=41)[0]
+    params = SamplingParams(temperature=0.8, seed=4, max_tokens=6, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    plain, flat = (llm.generate([prompt], p, use_tqdm=False)[0]
+                   for p in (params, dataclasses.replace(params, flat_logprobs=True)))
+    assert isinstance(flat.outputs[0].logprobs, FlatLogprobs) and isinstance(flat.prompt_logprobs, FlatLogprobs)
+    assert flat.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert list(flat.outputs[0].logprobs) == plain.outputs[0].logprobs
+    assert list(flat.prompt_logprobs) == plain.prompt_logprobs
+    assert flat.outputs[0].logprobs[-2:] == plain.outputs[0].logprobs[-2:]
+    with pytest.raises(ValueError, match="flat_logprobs must be True or False"):
+        SamplingParams(flat_logprobs="yes")
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
+def test_streamed_logprobs_add_up_to_the_final_ones(tiny_qwen3, kind):
+    """LLMEngine.step's outputs: each CUMULATIVE report a prefix of the final list (the same dict
+    objects, made once), the DELTA reports its pieces, in order."""
+    engine = LLMEngine.from_engine_args(tiny_qwen3[0], **ARGS)
+    prompt = random_prompts([7], seed=42)[0]
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=6, logprobs=1, ignore_eos=True,
+                                                   output_kind=kind))
+    reports = []
+    while engine.has_unfinished_requests():
+        reports += [out.outputs[0] for out in engine.step()]
+    assert reports[-1].finished()
+    if kind == RequestOutputKind.CUMULATIVE:
+        final = reports[-1].logprobs
+        assert len(final) == 6 and all(type(r.logprobs) is list for r in reports)
+        assert all(all(a is b for a, b in zip(r.logprobs, final)) for r in reports)
+    else:
+        final = [position for r in reports for position in r.logprobs]
+        assert len(final) == 6 and [t for r in reports for t in r.token_ids] == hf_greedy(tiny_qwen3[1], prompt, 6)
+    assert all(next(iter(position.values())).rank == 1 for position in final)  # greedy: the top token
+
+
+# ---- defaults ---------------------------------------------------------------------------------
+
+def test_generation_config_max_new_tokens_is_the_default_max_tokens(tiny_qwen3, tmp_path):
+    """vLLM maps generation_config.json's max_new_tokens to max_tokens: generate(prompts) with no
+    SamplingParams makes that many tokens, not SamplingParams' 16."""
+    path = tmp_path / "m"
+    shutil.copytree(tiny_qwen3[0], path)
+    (path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 21, "temperature": 0.5}))
+    llm = LLM(str(path), **ARGS)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.max_tokens, defaults.temperature) == (21, 0.5)
+    assert not llm.config.eos_token_ids  # the tiny model has no EOS: every completion runs to max_tokens
+    [out] = llm.generate([random_prompts([5], seed=43)[0]], use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 21 and out.outputs[0].finish_reason == "length"
+    assert LLM(str(path), generation_config="vllm", **ARGS).get_default_sampling_params().max_tokens == 16
