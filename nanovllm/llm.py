@@ -6,6 +6,7 @@ from itertools import count
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
+from nanovllm.engine_args import EngineArgs
 from nanovllm.engine.base import EngineBase
 from nanovllm.executor.llm_engine import LLMEngine, check_model
 from nanovllm.outputs import RequestOutput
@@ -14,12 +15,13 @@ from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 class LLM:
     """Owns one engine: an LLMEngine, or with data_parallel_size > 1 a DataParallelEngine of that
-    many replicas (with distributed_executor_backend="ray", a RayDataParallelEngine, even of one). Engine arguments are vLLM's names (see Config); ValueError or TypeError for a
-    bad one, FileNotFoundError for a missing model, before anything is loaded. Calls from several
-    threads are served one after another."""
+    many replicas (with distributed_executor_backend="ray", a RayDataParallelEngine, even of one).
+    Engine arguments are vLLM's (EngineArgs' fields); ValueError for a bad value, TypeError for an
+    unknown name, FileNotFoundError for a missing model, before anything is loaded. Calls from
+    several threads are served one after another."""
 
     def __init__(self, model: str, **engine_args):
-        self.config = Config.create(model, **engine_args)
+        self.config = Config.create(EngineArgs(model, **engine_args))
         check_model(self.config)
         if self.config.distributed_executor_backend == "ray":
             from nanovllm.executor.ray_replicas import RayDataParallelEngine

@@ -98,3 +98,39 @@ def test_generation_config_max_new_tokens_is_the_default_max_tokens(tiny_qwen3, 
     [out] = llm.generate([random_prompts([5], seed=43)[0]], use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 21 and out.outputs[0].finish_reason == "length"
     assert LLM(str(path), generation_config="vllm", **ARGS).get_default_sampling_params().max_tokens == 16
+
+
+# ---- engine arguments -------------------------------------------------------------------------
+
+def test_engine_args_build_an_engine(tiny_qwen3):
+    """vLLM's LLMEngine.from_engine_args(EngineArgs(model=..., **args)); EngineArgs' fields are the
+    arguments LLM(...) takes and the Config holds, resolved."""
+    from nanovllm import EngineArgs
+    from nanovllm.engine_args import EngineArgs as Declared
+    assert EngineArgs is Declared
+    path, hf = tiny_qwen3
+    args = EngineArgs(model=path, max_num_seqs=4, **ARGS)
+    engine = LLMEngine.from_engine_args(args)
+    config = engine.config
+    assert isinstance(config, EngineArgs) and config.max_num_seqs == 4 and config.max_model_len == 128
+    assert config.device == torch.device("cpu") and config.dtype == torch.float32 and config.hf_config is not None
+    assert args.device == "cpu" and args.dtype == "auto"  # the user's arguments are left as given
+    prompt = random_prompts([6], seed=44)[0]
+    engine.add_request("0", prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].outputs[0].token_ids == hf_greedy(hf, prompt, 4)
+    llm = LLM(**dataclasses.asdict(args))
+    assert {f.name: getattr(llm.config, f.name) for f in dataclasses.fields(EngineArgs)} == \
+        {f.name: getattr(config, f.name) for f in dataclasses.fields(EngineArgs)}
+
+
+def test_engine_args_are_checked_by_name(tiny_qwen3):
+    from nanovllm import EngineArgs
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM(tiny_qwen3[0], max_num_seq=4, **ARGS)
+    with pytest.raises(TypeError, match="hf_config"):  # resolved by the engine, not an argument
+        EngineArgs(model=tiny_qwen3[0], hf_config=None)
+    with pytest.raises(ValueError, match="max_num_seqs must be a positive integer"):
+        LLMEngine.from_engine_args(EngineArgs(model=tiny_qwen3[0], max_num_seqs=0, **ARGS))
