@@ -6,12 +6,15 @@ dtype, device, attention backend, max_model_len and the EOS ids. The rest of the
 the result and never re-derives any of it.
 """
 import importlib.util
+import logging
 from dataclasses import dataclass, field, fields
 
 import torch
 
 from nanovllm.engine_args import DTYPES, KV_CACHE_DTYPES, EngineArgs
 from nanovllm.loader.source import load_tokenizer, read_generation_defaults, read_hf_config, resolve_path
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,6 +44,11 @@ class Config(EngineArgs):
         tok = load_tokenizer(path, load_format, hf_config, args.trust_remote_code) if with_tokenizer else None
         dtype = _resolve_dtype(args.dtype, device, hf_config)
         backend = _resolve_backend(args.attention_backend, device, _head_dim(hf_config))
+        if device.type == "cpu" and args.gpu_memory_utilization != _default("gpu_memory_utilization"):
+            sizing = ("num_kvcache_blocks" if args.num_kvcache_blocks is not None else
+                      f"cpu_kvcache_space_gib={args.cpu_kvcache_space_gib}")
+            logger.warning("gpu_memory_utilization=%s does not apply on the CPU: %s sizes the KV cache",
+                           args.gpu_memory_utilization, sizing)
         resolved = dict(model=path, load_format=load_format, device=device, dtype=dtype,
                         kv_cache_dtype=_resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device, backend),
                         quantization=_resolve_quantization(args.quantization, hf_config, device),
@@ -50,6 +58,11 @@ class Config(EngineArgs):
                    max_model_len_is_default=args.max_model_len is None,
                    generation_defaults=read_generation_defaults(path, load_format)
                    if args.generation_config == "auto" else {})
+
+
+def _default(name: str):
+    """EngineArgs' default for argument `name`."""
+    return next(f.default for f in fields(EngineArgs) if f.name == name)
 
 
 def _head_dim(hf_config) -> int:

@@ -134,3 +134,15 @@ def test_engine_args_are_checked_by_name(tiny_qwen3):
         EngineArgs(model=tiny_qwen3[0], hf_config=None)
     with pytest.raises(ValueError, match="max_num_seqs must be a positive integer"):
         LLMEngine.from_engine_args(EngineArgs(model=tiny_qwen3[0], max_num_seqs=0, **ARGS))
+
+
+def test_gpu_memory_utilization_on_the_cpu_warns_once(tiny_qwen3, caplog):
+    """On a CPU the KV pool is cpu_kvcache_space_gib (or num_kvcache_blocks): a
+    gpu_memory_utilization given there is named in one warning, with the argument that applies."""
+    with caplog.at_level("WARNING", logger="nanovllm"):
+        LLM(tiny_qwen3[0], **ARGS)
+        assert not caplog.records
+        LLM(tiny_qwen3[0], gpu_memory_utilization=0.5, cpu_kvcache_space_gib=0.25, **ARGS)
+        LLM(tiny_qwen3[0], gpu_memory_utilization=0.5, num_kvcache_blocks=40, **ARGS)
+    messages = [r.getMessage() for r in caplog.records if "gpu_memory_utilization" in r.getMessage()]
+    assert len(messages) == 2 and "cpu_kvcache_space_gib=0.25" in messages[0] and "num_kvcache_blocks" in messages[1]
