@@ -20,8 +20,9 @@ class SamplingParams:
 
     n: independent completions of the prompt (the prompt is prefilled once).
     temperature: 0 is greedy (argmax); otherwise logits are divided by it.
-    top_k: keep the k most likely tokens (0 or -1: all). top_p: keep the smallest set whose
-    probability reaches top_p, in (0, 1]. min_p: drop tokens below min_p times the top one's, in [0, 1].
+    top_k: keep the k most likely tokens (0, -1, or the vocabulary's size or more: all). top_p: keep
+    the smallest set whose probability reaches top_p, in (0, 1]. min_p: drop tokens below min_p
+    times the top one's, in [0, 1].
     presence_penalty, frequency_penalty: in [-2, 2], subtracted from the logit of every token the
     completion holds, once / per occurrence (OpenAI's definition).
     repetition_penalty: > 0; logits of tokens in the prompt or completion are divided by it when

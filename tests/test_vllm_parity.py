@@ -10,7 +10,7 @@ import torch
 
 from nanovllm import LLM, CompletionOutput, LLMEngine, Logprob, RequestOutput, SamplingParams, TokensPrompt
 from nanovllm.sampling_params import RequestOutputKind
-from tests.conftest import hf_greedy, random_prompts
+from tests.conftest import VOCAB, hf_greedy, random_prompts
 
 ARGS = dict(device="cpu", kvcache_block_size=16, max_model_len=128)
 
@@ -146,3 +146,49 @@ def test_gpu_memory_utilization_on_the_cpu_warns_once(tiny_qwen3, caplog):
         LLM(tiny_qwen3[0], gpu_memory_utilization=0.5, num_kvcache_blocks=40, **ARGS)
     messages = [r.getMessage() for r in caplog.records if "gpu_memory_utilization" in r.getMessage()]
     assert len(messages) == 2 and "cpu_kvcache_space_gib=0.25" in messages[0] and "num_kvcache_blocks" in messages[1]
+
+
+# ---- top_k at or above the vocabulary -----------------------------------------------------------
+
+def top_k_tensors(top_ks, temperature=1.0):
+    from nanovllm.sampling.inputs import TokenCounts, sampling_tensors
+    from nanovllm.sequence import Sequence
+    seqs = [Sequence([1, 2, 3], SamplingParams(temperature=temperature, top_k=k)) for k in top_ks]
+    return sampling_tensors(seqs, torch.device("cpu"), VOCAB, frozenset(), {}, None, TokenCounts(VOCAB, "cpu"))
+
+
+def test_top_k_of_the_whole_vocabulary_is_no_top_k():
+    """The step's tensors, which every sampling path reads (the CPU sort, the Triton kernels on
+    CUDA, the tensor-parallel shards' draw): a top_k at or above the vocabulary is no top-k, so no
+    path asks torch.topk or a kernel for more entries than a row has."""
+    st = top_k_tensors([VOCAB + 1000, VOCAB])
+    assert st.top_k is None and st.max_top_k == 0 and st.only_temperature  # the Gumbel-max kernel, or the shards
+    st = top_k_tensors([VOCAB + 1000, 5])
+    assert st.top_k.tolist() == [0, 5] and st.max_top_k == 0  # the sorted path (not every row has a top k)
+    st = top_k_tensors([VOCAB - 1, 5])
+    assert st.top_k.tolist() == [VOCAB - 1, 5] and st.max_top_k == VOCAB - 1  # the top-k path, over VOCAB - 1
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_top_k_above_the_vocabulary_samples_the_whole_vocabulary(tiny_qwen3, tp):
+    """vLLM treats top_k >= vocabulary size as no top-k: a seeded request draws the very tokens it
+    draws with top_k=0, alone or beside a request with a real top_k, on one rank and over two
+    tensor-parallel ranks (the shards' own draw)."""
+    llm = LLM(tiny_qwen3[0], tensor_parallel_size=tp, **ARGS)
+    prompts = random_prompts([8, 5], seed=45)
+    base = dict(temperature=1.0, max_tokens=6, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, [SamplingParams(top_k=0, seed=i, **base)
+                                                                     for i in range(2)], use_tqdm=False)]
+    for top_ks in ([VOCAB + 1000, VOCAB], [VOCAB + 1000, 5]):
+        outs = llm.generate(prompts, [SamplingParams(top_k=k, seed=i, **base) for i, k in enumerate(top_ks)],
+                            use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == plain[0]
+        assert outs[1].outputs[0].token_ids == plain[1] or top_ks[1] == 5
+
+
+def test_logprobs_beyond_the_vocabulary_are_refused(tiny_qwen3):
+    llm = LLM(tiny_qwen3[0], max_logprobs=-1, **ARGS)
+    with pytest.raises(ValueError, match=f"logprobs={VOCAB + 1} is more than the vocabulary's {VOCAB} tokens"):
+        llm.generate([[1, 2]], SamplingParams(logprobs=VOCAB + 1), use_tqdm=False)
+    assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=2, logprobs=VOCAB), use_tqdm=False)[0]
+               .outputs[0].logprobs[0]) == VOCAB

@@ -99,6 +99,8 @@ class Processor:
             if k is not None and self.max_logprobs != -1 and k > self.max_logprobs:
                 raise ValueError(f"{name}={k} is more than max_logprobs={self.max_logprobs}; "
                                  f"raise the engine argument max_logprobs (-1: no limit)")
+            if k is not None and k > self.vocab_size:
+                raise ValueError(f"{name}={k} is more than the vocabulary's {self.vocab_size} tokens")
         for name in ("stop_token_ids", "allowed_token_ids"):
             bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
             if bad:
