@@ -43,6 +43,8 @@ class SamplingParams:
     space, is blocked at its last token).
     truncate_prompt_tokens: keep only the prompt's last k tokens (-1: the last max_model_len).
     output_kind: what LLMEngine.step reports of unfinished requests (LLM.generate sets FINAL_ONLY).
+    best_of (beyond n), use_beam_search, guided_decoding, structured_outputs: vLLM's, not supported
+    here (NotImplementedError, with what to use instead).
     """
     n: int = 1
     presence_penalty: float = 0.0
@@ -70,6 +72,11 @@ class SamplingParams:
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's, for what nanovllm does not do: validate() raises NotImplementedError when one is used
+    best_of: int | None = field(default=None, repr=False, compare=False)
+    use_beam_search: bool = field(default=False, repr=False, compare=False)
+    guided_decoding: object = field(default=None, repr=False, compare=False)
+    structured_outputs: object = field(default=None, repr=False, compare=False)
     # derived by validate(): `stop` as a tuple, whether a penalty applies, and whether anything but
     # temperature and the filters shapes the logits (penalties, logit_bias, banned or allowed
     # tokens, min_tokens)
@@ -85,8 +92,11 @@ class SamplingParams:
         return copy.deepcopy(self)
 
     def validate(self):
-        """Raise ValueError naming the first field that is wrong and what it allows. Checks that
-        need the model (token ids inside its vocabulary) are the engine's (Processor)."""
+        """Raise ValueError naming the first field that is wrong and what it allows, NotImplementedError
+        for a vLLM feature nanovllm lacks (best_of > n, use_beam_search, guided_decoding or
+        structured_outputs). Checks that need the model (token ids inside its vocabulary) are the
+        engine's (Processor)."""
+        self._unsupported()
         _int(self, "n", 1)
         _real(self, "presence_penalty", -2, 2)
         _real(self, "frequency_penalty", -2, 2)
@@ -133,6 +143,18 @@ class SamplingParams:
         self.has_penalties = bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
         self.needs_processing = bool(self.has_penalties or self.logit_bias or self.bad_words or self.allowed_token_ids is not None
                                      or self.min_tokens)
+
+    def _unsupported(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise NotImplementedError(f"best_of={self.best_of} is not supported: ask for n={self.best_of} completions with logprobs=0 and keep the one of "
+                                      f"highest cumulative_logprob")
+        if self.use_beam_search:
+            raise NotImplementedError("beam search (use_beam_search) is not supported; sample n completions with "
+                                      "logprobs=0 and rank them by cumulative_logprob")
+        if self.guided_decoding is not None or self.structured_outputs is not None:
+            raise NotImplementedError("structured outputs (guided_decoding, structured_outputs: JSON schema, regex, "
+                                      "choice, grammar) are not supported; allowed_token_ids, logit_bias and "
+                                      "bad_words constrain tokens")
 
 
 def _is_id(t) -> bool:

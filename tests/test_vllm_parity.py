@@ -192,3 +192,50 @@ def test_logprobs_beyond_the_vocabulary_are_refused(tiny_qwen3):
         llm.generate([[1, 2]], SamplingParams(logprobs=VOCAB + 1), use_tqdm=False)
     assert len(llm.generate([[1, 2]], SamplingParams(max_tokens=2, logprobs=VOCAB), use_tqdm=False)[0]
                .outputs[0].logprobs[0]) == VOCAB
+
+
+# ---- what vLLM has and nanovllm does not ------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,names", [
+    (dict(best_of=2), ["best_of=2 is not supported", "n=2", "cumulative_logprob"]),
+    (dict(n=2, best_of=4), ["best_of=4 is not supported"]),
+    (dict(use_beam_search=True), ["beam search", "use_beam_search", "not supported"]),
+    (dict(guided_decoding={"json": {"type": "object"}}), ["guided_decoding", "not supported"]),
+    (dict(structured_outputs={"regex": "[a-z]+"}), ["structured_outputs", "not supported"]),
+])
+def test_unsupported_sampling_features_say_so(kwargs, names):
+    with pytest.raises(NotImplementedError) as error:
+        SamplingParams(**kwargs)
+    assert all(name in str(error.value) for name in names), str(error.value)
+    assert SamplingParams(n=3, best_of=3).n == 3  # best_of equal to n is what n does
+
+
+def test_unsupported_llm_features_say_so(llm):
+    from nanovllm.outputs import RequestOutput as Output
+    with pytest.raises(NotImplementedError, match="LoRA adapters .*lora_request.* not supported.*merge"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), lora_request=object())
+    with pytest.raises(NotImplementedError, match="LoRA adapters"):
+        llm.chat([{"role": "user", "content": "hi"}], lora_request=object())
+    with pytest.raises(NotImplementedError, match=r"beam search \(LLM.beam_search\) is not supported.*n="):
+        llm.beam_search([{"prompt": "a"}], None)
+    for method in ("embed", "encode", "classify", "score", "reward"):
+        with pytest.raises(NotImplementedError, match=f"LLM.{method} runs a pooling model.*not support"):
+            getattr(llm, method)(["a"])
+    with pytest.raises(AttributeError):  # a real typo still is one
+        llm.generat([[1, 2]])
+    with pytest.raises(TypeError, match="top_kk"):
+        SamplingParams(top_kk=3)
+    assert Output.metrics is None  # a field, None as vLLM's LLM reports it
+
+
+def test_prompt_token_ids_keyword(llm, tiny_qwen3):
+    """vLLM's former generate(prompt_token_ids=...): one token-id list or a list of them."""
+    prompts = random_prompts([5, 8], seed=46)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    expected = [hf_greedy(tiny_qwen3[1], p, 3) for p in prompts]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected and outs[0].prompt_token_ids == prompts[0]
+    [one] = llm.generate(prompt_token_ids=prompts[1], sampling_params=params, use_tqdm=False)
+    assert one.outputs[0].token_ids == expected[1]
+    with pytest.raises(ValueError, match="pass the prompts once"):
+        llm.generate(prompts, params, prompt_token_ids=prompts)
