@@ -239,3 +239,63 @@ def test_prompt_token_ids_keyword(llm, tiny_qwen3):
     assert one.outputs[0].token_ids == expected[1]
     with pytest.raises(ValueError, match="pass the prompts once"):
         llm.generate(prompts, params, prompt_token_ids=prompts)
+
+
+# ---- start-up compiles every sampling kernel -------------------------------------------------
+
+def test_sampler_warm_up_batches_cover_every_path():
+    """The start-up batches (run on CUDA, whose paths are Triton kernels) run, here on the CPU, and
+    between them take every branch of Sampler.forward's dispatch: the Gumbel-max, nucleus and
+    top-k kernels on the raw logits and after penalties, with and without the prompt's tokens,
+    and logprobs of greedy rows (raw) and of processed logits."""
+    from nanovllm.sampling.inputs import TokenCounts, sampling_tensors
+    from nanovllm.sampling.warmup import WARMUP_BATCHES, warm_up_sampler
+    from nanovllm.sequence import Sequence
+    for mode in ("raw_logprobs", "processed_logprobs"):
+        warm_up_sampler(mode, VOCAB, torch.float32, torch.device("cpu"))
+    kinds = set()
+    for fields in WARMUP_BATCHES:
+        seqs = [Sequence([0, 1], SamplingParams(**fields)) for _ in range(2)]
+        st = sampling_tensors(seqs, torch.device("cpu"), VOCAB, frozenset(), {}, None, TokenCounts(VOCAB, "cpu"))
+        draw = ("greedy" if st.temperatures is None else "top_k" if st.max_top_k else "nucleus"
+                if st.top_p is not None or st.min_p is not None else "gumbel" if st.top_k is None else "sorted")
+        processed = "penalised" if st.penalties is not None else "raw"
+        kinds |= {(draw, processed), ("prompt_mask", st.prompt_mask is not None), ("logprobs", st.num_logprobs >= 0,
+                                                                                      draw, processed)}
+    assert {(d, p) for d in ("gumbel", "nucleus", "top_k") for p in ("raw", "penalised")} <= kinds
+    assert {("prompt_mask", True), ("prompt_mask", False), ("logprobs", True, "greedy", "raw"),
+            ("logprobs", True, "gumbel", "penalised")} <= kinds
+
+
+def sampling_kernel_variants() -> dict:
+    """The compiled variants of every sampling kernel in this process, on the current GPU."""
+    from nanovllm.kernels import logits_stats, penalty, sampling
+    kernels = [getattr(m, name) for m in (sampling, logits_stats, penalty) for name in dir(m)
+               if name.endswith("_kernel") and hasattr(getattr(m, name), "device_caches")]
+    device = torch.cuda.current_device()
+    return {k.fn.__name__: len(k.device_caches[device][0]) for k in kernels}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_no_sampling_kernel_compiles_inside_generate(tiny_qwen3, mode):
+    """After LLM(...) no generate compiles a sampling kernel: greedy, temperature, top-k (several k),
+    top-p, min-p, penalties, logprobs (0 too) and prompt logprobs, alone and mixed; top_k beyond
+    the vocabulary draws what top_k=0 draws."""
+    pytest.importorskip("triton")
+    llm = LLM(tiny_qwen3[0], device="cuda", max_model_len=128, logprobs_mode=mode)
+    before = sampling_kernel_variants()
+    assert sum(before.values()) >= 7
+    prompts = random_prompts([9, 17, 30], seed=47)
+    base = dict(max_tokens=5, ignore_eos=True)
+    batches = [dict(temperature=0), dict(temperature=0.7), dict(top_k=5), dict(top_k=40, top_p=0.9),
+               dict(top_p=0.8), dict(min_p=0.1), dict(presence_penalty=0.5), dict(repetition_penalty=1.2, top_k=20),
+               dict(frequency_penalty=0.3, top_p=0.9), dict(logprobs=0), dict(logprobs=5, top_k=3),
+               dict(temperature=0, logprobs=20, prompt_logprobs=2), dict(repetition_penalty=1.1, logprobs=2)]
+    for fields in batches:
+        llm.generate(prompts, SamplingParams(**base, **fields), use_tqdm=False)
+    llm.generate(prompts, [SamplingParams(**base, **fields) for fields in batches[:3]], use_tqdm=False)
+    assert sampling_kernel_variants() == before
+    seeded = [llm.generate(prompts, SamplingParams(**base, top_k=k, seed=1), use_tqdm=False) for k in (0, VOCAB + 1000)]
+    assert [o.outputs[0].token_ids for o in seeded[0]] == [o.outputs[0].token_ids for o in seeded[1]]
+
