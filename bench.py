@@ -1,4 +1,5 @@
 """Throughput benchmark: nano-vllm's workload (see README), reported against the roofline floor.
+Needs a CUDA GPU (without one it exits at once).
 
 Default: 256 sequences, prompts of randint(100, 1024) random token ids, max_tokens randint(100, 1024),
 temperature 0.6 (--temperature, --top-p, --top-k, --min-p, --presence-penalty, --logprobs, --n change the
@@ -24,9 +25,6 @@ import time
 from random import randint, seed
 
 import torch
-
-from nanovllm.loader.source import read_hf_config, resolve_path
-from nanovllm.models.registry import model_class
 
 
 def measure_bandwidth(device) -> float:
@@ -115,6 +113,7 @@ def weights_read_per_step(hf_config, quantization: str | None = None) -> tuple[i
     bf16, or with quantization="fp8" the linear layers' weights one byte each plus a float32 scale
     per row."""
     from nanovllm.layers.linear import LinearBase
+    from nanovllm.models.registry import model_class
     with torch.device("meta"):
         model = model_class(hf_config)(hf_config)
     skip = set() if model.tie_word_embeddings else {id(model.model.embed_tokens.weight)}
@@ -235,6 +234,8 @@ def run_transformers(args, prompts, max_tokens):
     --hf-batch-size prompts, left-padded, sampling to the batch's largest max_tokens; only the
     requested tokens of each sequence are counted."""
     from transformers import AutoModelForCausalLM
+
+    from nanovllm.loader.source import read_hf_config, resolve_path
     config = read_hf_config(*resolve_path(args.model, args.load_format))
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
@@ -307,8 +308,9 @@ def main():
         p.error("--n, --kv-cache-dtype and --quantization are for --engine nanovllm")
     if args.data_parallel_size > 1 and (args.profile or args.step_stats):
         p.error("--profile and --step-stats look inside one engine: use them with --data-parallel-size 1")
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available():  # before nanovllm's imports (transformers' among them): at once
         raise SystemExit("bench.py measures GPU throughput and needs a CUDA device")
+    from nanovllm.loader.source import read_hf_config, resolve_path
 
     prompts, max_tokens = workload(args)
     prompts, max_tokens = prompts[:len(prompts) // args.n], max_tokens[:len(prompts) // args.n]  # n samples each

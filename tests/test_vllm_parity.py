@@ -299,3 +299,21 @@ def test_no_sampling_kernel_compiles_inside_generate(tiny_qwen3, mode):
     seeded = [llm.generate(prompts, SamplingParams(**base, top_k=k, seed=1), use_tqdm=False) for k in (0, VOCAB + 1000)]
     assert [o.outputs[0].token_ids for o in seeded[0]] == [o.outputs[0].token_ids for o in seeded[1]]
 
+
+# ---- bench.py without a GPU ---------------------------------------------------------------------
+
+def test_bench_says_it_needs_cuda_up_front():
+    """--help says bench.py needs a CUDA GPU; without one it exits with that message before
+    importing nanovllm or transformers (seconds, not the engine's imports)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    help_text = subprocess.run([sys.executable, "bench.py", "--help"], cwd=root, capture_output=True, text=True,
+                               check=True).stdout
+    assert "Needs a CUDA GPU" in help_text.split("options:")[0]
+    run = subprocess.run([sys.executable, "-X", "importtime", "bench.py", "--logprobs", "5", "--flat-logprobs"],
+                         cwd=root, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 1 and "needs a CUDA device" in run.stderr
+    imported = {line.split("|")[-1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" in imported and not {"nanovllm", "transformers"} & imported
