@@ -29,7 +29,8 @@ def warm_up_sampler(logprobs_mode: str, vocab_size: int, dtype: torch.dtype, dev
     was) and penalty counts of its own. A few milliseconds once compiled; Triton's cache on disk
     keeps the compiled kernels across processes."""
     sampler, counts = Sampler(0, logprobs_mode), TokenCounts(vocab_size, device)
-    logits = torch.randn(2, vocab_size, device=device).to(dtype)
+    generator = torch.Generator(device).manual_seed(0)  # torch's global one is left as it was too
+    logits = torch.randn(2, vocab_size, device=device, generator=generator).to(dtype)
     for fields in WARMUP_BATCHES:
         params = SamplingParams(max_tokens=1, **fields)
         seqs = [Sequence([0, 1], params) for _ in range(2)]
