@@ -1,14 +1,17 @@
 """Throughput benchmark: nano-vllm's workload (see README), reported against the roofline floor.
+Needs a CUDA GPU (without one it exits at once).
 
 Default: 256 sequences, prompts of randint(100, 1024) random token ids, max_tokens randint(100, 1024),
 temperature 0.6 (--temperature, --top-p, --top-k, --min-p, --presence-penalty, --logprobs, --n change the
-sampling; --n 8 takes 256 / 8 prompts with 8 completions each), ignore_eos, on Qwen3-0.6B with random
-weights (the work done does not depend on the weight values). Throughput = output tokens / wall time
-of one generate call after a warm-up. --latency: one sequence, a 128-token prompt and 512 greedy
-tokens, reported in ms per token. --kv-cache-dtype fp8: a float8 KV cache (the floor counts its
-bytes: one per value and a 4-byte scale per head vector). --quantization fp8: float8 weights in
-the linear layers (the floor counts one byte per weight, and the float8 GEMM's measured rate for
-every FLOP). The time LLM(...) takes to start is printed too, and the KV cache's size in tokens.
+sampling; --logprobs 5 returns lists of {token id: Logprob} dicts as vLLM does, with --flat-logprobs
+FlatLogprobs whose dicts are made when read; --n 8 takes 256 / 8 prompts with 8 completions each),
+ignore_eos, on Qwen3-0.6B with random weights (the work done does not depend on the weight values).
+Throughput = output tokens / wall time of one generate call after a warm-up. --latency: one
+sequence, a 128-token prompt and 512 greedy tokens, reported in ms per token. --kv-cache-dtype fp8:
+a float8 KV cache (the floor counts its bytes: one per value and a 4-byte scale per head vector).
+--quantization fp8: float8 weights in the linear layers (the floor counts one byte per weight, and
+the float8 GEMM's measured rate for every FLOP). The time LLM(...) takes to start is printed too,
+and the KV cache's size in tokens.
 
 The floor is a roofline lower bound (floor_seconds): per step of an ideal schedule, the larger of
 the bytes it must move (weights, KV read and written) at the measured device-to-device bandwidth
@@ -22,9 +25,6 @@ import time
 from random import randint, seed
 
 import torch
-
-from nanovllm.loader.source import read_hf_config, resolve_path
-from nanovllm.models.registry import model_class
 
 
 def measure_bandwidth(device) -> float:
@@ -113,6 +113,7 @@ def weights_read_per_step(hf_config, quantization: str | None = None) -> tuple[i
     bf16, or with quantization="fp8" the linear layers' weights one byte each plus a float32 scale
     per row."""
     from nanovllm.layers.linear import LinearBase
+    from nanovllm.models.registry import model_class
     with torch.device("meta"):
         model = model_class(hf_config)(hf_config)
     skip = set() if model.tie_word_embeddings else {id(model.model.embed_tokens.weight)}
@@ -144,7 +145,8 @@ def run_nanovllm(args, prompts, max_tokens):
               f"{runner.num_kvcache_blocks * runner.block_size} tokens in {runner.kv_spec.dtype}"
               + (f" (and a {staging / 2**20:.0f} MiB staging area for prefill attention)" if staging else ""))
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                    presence_penalty=args.presence_penalty, logprobs=args.logprobs, ignore_eos=True)
+                    presence_penalty=args.presence_penalty, logprobs=args.logprobs, flat_logprobs=args.flat_logprobs,
+                    ignore_eos=True)
     params = [SamplingParams(n=args.n, max_tokens=m, **sampling) for m in max_tokens]
     # the warm-up generate: a short prompt (as nano-vllm's bench) for each data-parallel replica (the
     # router gives equal prompts to the least loaded one), or --warmup-seqs of the workload's prompts
@@ -232,6 +234,8 @@ def run_transformers(args, prompts, max_tokens):
     --hf-batch-size prompts, left-padded, sampling to the batch's largest max_tokens; only the
     requested tokens of each sequence are counted."""
     from transformers import AutoModelForCausalLM
+
+    from nanovllm.loader.source import read_hf_config, resolve_path
     config = read_hf_config(*resolve_path(args.model, args.load_format))
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
@@ -283,6 +287,8 @@ def main():
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--logprobs", type=int, default=None, help="return this many top logprobs per token")
+    p.add_argument("--flat-logprobs", action="store_true",
+                   help="logprobs as FlatLogprobs (dicts made when read), not lists of dicts (vLLM's default)")
     p.add_argument("--n", type=int, default=1, help="completions per prompt (--num-seqs / n prompts)")
     p.add_argument("--profile", metavar="DIR", help="write a torch profiler Chrome trace of a few steps to DIR")
     p.add_argument("--profile-skip", type=int, default=40, help="steps run before the profiled ones")
@@ -302,8 +308,9 @@ def main():
         p.error("--n, --kv-cache-dtype and --quantization are for --engine nanovllm")
     if args.data_parallel_size > 1 and (args.profile or args.step_stats):
         p.error("--profile and --step-stats look inside one engine: use them with --data-parallel-size 1")
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available():  # before nanovllm's imports (transformers' among them): at once
         raise SystemExit("bench.py measures GPU throughput and needs a CUDA device")
+    from nanovllm.loader.source import read_hf_config, resolve_path
 
     prompts, max_tokens = workload(args)
     prompts, max_tokens = prompts[:len(prompts) // args.n], max_tokens[:len(prompts) // args.n]  # n samples each

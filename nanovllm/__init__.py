@@ -1,6 +1,9 @@
-from nanovllm.outputs import RequestOutput
+from nanovllm.engine_args import EngineArgs
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm.inputs import TextPrompt, TokensPrompt
 from nanovllm.llm import LLM
 from nanovllm.executor.llm_engine import LLMEngine
 from nanovllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "TextPrompt", "TokensPrompt"]

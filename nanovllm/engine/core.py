@@ -11,6 +11,7 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.processor import Processor, Request
 from nanovllm.engine.scheduler import Scheduler
+from nanovllm.sampling.warmup import warm_up_sampler
 from nanovllm.sequence import PLACEHOLDER, SequenceStatus
 from nanovllm.engine.stop_checker import check_stop
 from nanovllm.engine.trace import region
@@ -25,7 +26,9 @@ class EngineCore(EngineBase):
     handle on them, executor/tp_workers.py), which this process drives as rank 0."""
 
     def __init__(self, config: Config, workers=None):
-        self.model_runner = ModelRunner(config, workers=workers)
+        self.model_runner = runner = ModelRunner(config, workers=workers)
+        if runner.device.type == "cuda":  # every sampling kernel compiled now, not inside a generate call
+            warm_up_sampler(config.logprobs_mode, config.hf_config.vocab_size, runner.dtype, runner.device)
         if self.model_runner.max_model_len < config.max_model_len:
             logger.warning("max_model_len lowered from the model's %d to %d tokens, what the KV cache holds "
                            "(set max_model_len, or give the cache more memory)", config.max_model_len,
@@ -128,7 +131,7 @@ class EngineCore(EngineBase):
         report the requests that changed."""
         changed: dict[str, Request] = {}
         tokens = self.model_runner.read_tokens(launched)
-        # a position's logprobs stay in the step's arrays, (arrays, row), until read (outputs.SampleLogprobs)
+        # a position's logprobs stay in the step's arrays, (arrays, row), until reported (Processor._logprobs)
         arrays = launched.logprobs.numpy() if launched.logprobs is not None else None
         chosen = arrays[1][:, 0].tolist() if arrays is not None else None
         row = -1  # the step's logprob rows are its sampled rows that asked for logprobs, in order

@@ -24,10 +24,11 @@ def sampling_tensors(seqs: list[Sequence], device: torch.device, processors: lis
     dev = batch.upload
     if any(p.temperature > 0 for p in params):
         st.temperatures = dev([p.temperature for p in params], torch.float32)
-        if any(p.top_k > 0 for p in params):
-            st.top_k = dev([p.top_k for p in params], torch.int64)
-            if all(p.top_k > 0 for p in params if p.temperature > 0):
-                st.max_top_k = max(p.top_k for p in params)
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]  # the whole vocabulary: no top-k (vLLM's)
+        if any(top_k):
+            st.top_k = dev(top_k, torch.int64)
+            if all(k for k, p in zip(top_k, params) if p.temperature > 0):
+                st.max_top_k = max(top_k)
         if any(p.top_p < 1 for p in params):
             st.top_p = dev([p.top_p for p in params], torch.float32)
         if any(p.min_p > 0 for p in params):

@@ -62,11 +62,11 @@ class TokenLogprobs:
 
 def topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(logits, k, dim=-1) of logits [N, vocab]: (values [N, k], descending; ids [N, k]
-    int64); on CUDA, for k up to kernels/logits_stats.MAX_KERNEL_TOPK, by its chunked_topk
+    int64); on CUDA, for 1 <= k <= kernels/logits_stats.MAX_KERNEL_TOPK, by its chunked_topk
     (float32 values; benchmarks/sampler_costs.py measures both)."""
     if logits.is_cuda:
         from nanovllm.kernels.logits_stats import MAX_KERNEL_TOPK, chunked_topk
-        if k <= min(MAX_KERNEL_TOPK, logits.size(-1)):
+        if 1 <= k <= min(MAX_KERNEL_TOPK, logits.size(-1)):  # k = 0: logprobs=0 asks for the sampled token's alone
             return chunked_topk(logits, k)
     return logits.topk(k, dim=-1)
 
