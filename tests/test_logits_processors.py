@@ -20,7 +20,7 @@ def test_logit_bias_applies_before_the_penalties():
                                           presence_penalty=0.5))
     seq.token_ids.append(6)  # the completion so far: token 6, also in the prompt
     cpu = torch.device("cpu")
-    st = sampling_tensors([seq], cpu, [cls(10, frozenset(), cpu) for cls in PROCESSORS], {}, None)
+    st = sampling_tensors([seq], cpu, [cls(10, frozenset(), cpu) for cls in PROCESSORS], {}, None, 10)
     logits = torch.full((1, 10), -1.0)
     for processor, state in st.processors:
         processor.apply(logits, state)

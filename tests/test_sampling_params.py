@@ -143,7 +143,7 @@ def test_bad_words_of_several_tokens_are_blocked_at_their_last_token():
         seq.token_ids += completion
         seq.bad_words_ids = [[1, 2, 4], [9, 4]]
     processors = [BadWords(10, frozenset(), torch.device("cpu"))]
-    st = sampling_tensors(seqs, torch.device("cpu"), processors, {seqs[2].seq_id: 1}, torch.tensor([0, 2]))
+    st = sampling_tensors(seqs, torch.device("cpu"), processors, {seqs[2].seq_id: 1}, torch.tensor([0, 2]), 10)
     assert Sampler()(x, st)[0].tolist() == [0, 4, 0, 0]  # where 4 is banned the rest tie at 0
 
 

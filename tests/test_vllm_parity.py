@@ -151,10 +151,10 @@ def test_gpu_memory_utilization_on_the_cpu_warns_once(tiny_qwen3, caplog):
 # ---- top_k at or above the vocabulary -----------------------------------------------------------
 
 def top_k_tensors(top_ks, temperature=1.0):
-    from nanovllm.sampling.inputs import TokenCounts, sampling_tensors
+    from nanovllm.sampling.inputs import sampling_tensors
     from nanovllm.sequence import Sequence
     seqs = [Sequence([1, 2, 3], SamplingParams(temperature=temperature, top_k=k)) for k in top_ks]
-    return sampling_tensors(seqs, torch.device("cpu"), VOCAB, frozenset(), {}, None, TokenCounts(VOCAB, "cpu"))
+    return sampling_tensors(seqs, torch.device("cpu"), [], {}, None, VOCAB)
 
 
 def test_top_k_of_the_whole_vocabulary_is_no_top_k():
@@ -248,7 +248,8 @@ def test_sampler_warm_up_batches_cover_every_path():
     between them take every branch of Sampler.forward's dispatch: the Gumbel-max, nucleus and
     top-k kernels on the raw logits and after penalties, with and without the prompt's tokens,
     and logprobs of greedy rows (raw) and of processed logits."""
-    from nanovllm.sampling.inputs import TokenCounts, sampling_tensors
+    from nanovllm.sampling.inputs import sampling_tensors
+    from nanovllm.sampling.processors import PROCESSORS, Penalties
     from nanovllm.sampling.warmup import WARMUP_BATCHES, warm_up_sampler
     from nanovllm.sequence import Sequence
     for mode in ("raw_logprobs", "processed_logprobs"):
@@ -256,11 +257,14 @@ def test_sampler_warm_up_batches_cover_every_path():
     kinds = set()
     for fields in WARMUP_BATCHES:
         seqs = [Sequence([0, 1], SamplingParams(**fields)) for _ in range(2)]
-        st = sampling_tensors(seqs, torch.device("cpu"), VOCAB, frozenset(), {}, None, TokenCounts(VOCAB, "cpu"))
+        processors = [cls(VOCAB, frozenset(), torch.device("cpu")) for cls in PROCESSORS]
+        st = sampling_tensors(seqs, torch.device("cpu"), processors, {}, None, VOCAB)
+        penalties = next((state for processor, state in st.processors if isinstance(processor, Penalties)), None)
         draw = ("greedy" if st.temperatures is None else "top_k" if st.max_top_k else "nucleus"
                 if st.top_p is not None or st.min_p is not None else "gumbel" if st.top_k is None else "sorted")
-        processed = "penalised" if st.penalties is not None else "raw"
-        kinds |= {(draw, processed), ("prompt_mask", st.prompt_mask is not None), ("logprobs", st.num_logprobs >= 0,
+        processed = "penalised" if penalties is not None else "raw"
+        kinds |= {(draw, processed), ("prompt_mask", penalties is not None and penalties.prompt_mask is not None),
+                  ("logprobs", st.num_logprobs >= 0,
                                                                                       draw, processed)}
     assert {(d, p) for d in ("gumbel", "nucleus", "top_k") for p in ("raw", "penalised")} <= kinds
     assert {("prompt_mask", True), ("prompt_mask", False), ("logprobs", True, "greedy", "raw"),

@@ -10,12 +10,13 @@ from nanovllm.sequence import Sequence
 
 
 def sampling_tensors(seqs: list[Sequence], device: torch.device, processors: list[LogitsProcessor],
-                     prev_rows: dict[int, int], prev_sampled: torch.Tensor | None) -> SamplingTensors:
+                     prev_rows: dict[int, int], prev_sampled: torch.Tensor | None, vocab_size: int) -> SamplingTensors:
     """The step's SamplingTensors. A seeded row's noise is hashed from (its seed, its completion
     length), so it repeats whatever the batch and after a preemption. processors: in the order they
     apply; each prepares the rows that carry it (LogitsProcessor.prepare), among those whose
     params need processing. A completion token not read back yet (PLACEHOLDER, the last one) is
-    prev_sampled[prev_rows[seq_id]] on the device. Every field empty when every row is plain greedy."""
+    prev_sampled[prev_rows[seq_id]] on the device. vocab_size: the logits' width (a top_k at or above
+    it is no top-k, as vLLM's). Every field empty when every row is plain greedy."""
     params = [seq.sampling_params for seq in seqs]
     st = SamplingTensors()
     if not any(p.temperature > 0 or p.needs_processing or p.logprobs is not None for p in params):

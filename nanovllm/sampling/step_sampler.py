@@ -21,13 +21,14 @@ class StepSampler:
         vocab_size); lm_head: the model's ParallelLMHead (this rank's vocabulary shard)."""
         self.lm_head, self.device = lm_head, device
         self.sampler = Sampler(config.seed, config.logprobs_mode)
+        self.vocab_size = config.hf_config.vocab_size
         self.processors = [cls(config.hf_config.vocab_size, config.eos_token_ids, device)
                            for cls in processors.PROCESSORS]
 
     def prepare(self, seqs: list[Sequence], prev_rows: dict[int, int],
                 prev_sampled: torch.Tensor | None) -> SamplingTensors:
         """The SamplingTensors of seqs, the step's sampled sequences in row order (see sampling_tensors)."""
-        st = sampling_tensors(seqs, self.device, self.processors, prev_rows, prev_sampled)
+        st = sampling_tensors(seqs, self.device, self.processors, prev_rows, prev_sampled, self.vocab_size)
         st.from_shards = self.lm_head.tp_size > 1 and draws_from_shards(st)
         return st
 

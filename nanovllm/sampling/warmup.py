@@ -3,7 +3,8 @@ top-p/min-p, penalties or logprobs compiles no Triton kernel inside the call (on
 is a kernel specialised on the logits' dtype; elsewhere the paths are torch's and compile nothing)."""
 import torch
 
-from nanovllm.sampling.inputs import TokenCounts, sampling_tensors
+from nanovllm.sampling.inputs import sampling_tensors
+from nanovllm.sampling.processors import PROCESSORS
 from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import Sequence
@@ -25,13 +26,13 @@ WARMUP_BATCHES = (
 
 def warm_up_sampler(logprobs_mode: str, vocab_size: int, dtype: torch.dtype, device: torch.device):
     """Sample two rows of random logits [2, vocab_size] in `dtype` on `device` with each batch of
-    WARMUP_BATCHES, through a Sampler of its own (the engine's random generator is left as it
-    was) and penalty counts of its own. A few milliseconds once compiled; Triton's cache on disk
+    WARMUP_BATCHES, through a Sampler and logits processors of its own (the engine's random
+    generator and the processors' per-sequence state are left as they were). A few milliseconds once compiled; Triton's cache on disk
     keeps the compiled kernels across processes."""
-    sampler, counts = Sampler(0, logprobs_mode), TokenCounts(vocab_size, device)
+    sampler, processors = Sampler(0, logprobs_mode), [cls(vocab_size, frozenset(), device) for cls in PROCESSORS]
     generator = torch.Generator(device).manual_seed(0)  # torch's global one is left as it was too
     logits = torch.randn(2, vocab_size, device=device, generator=generator).to(dtype)
     for fields in WARMUP_BATCHES:
         params = SamplingParams(max_tokens=1, **fields)
         seqs = [Sequence([0, 1], params) for _ in range(2)]
-        sampler(logits, sampling_tensors(seqs, device, vocab_size, frozenset(), {}, None, counts))
+        sampler(logits, sampling_tensors(seqs, device, processors, {}, None, vocab_size))
