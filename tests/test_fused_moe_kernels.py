@@ -12,6 +12,7 @@ from nanovllm.kernels.fp8 import quantize_fp8  # noqa: E402
 from nanovllm.kernels.fused_moe import (MoEConfig, down_pairs, down_sorted, fused_experts, gate_up_pairs,  # noqa: E402
                                         gate_up_sorted)
 from nanovllm.kernels.moe_routing import moe_align_block_size, moe_topk  # noqa: E402
+from nanovllm.layers.moe_method import torch_experts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 UNIT_ROUNDOFF = {torch.float32: 2**-24, torch.float16: 2**-11}
@@ -137,14 +138,14 @@ def test_both_paths_stage_by_stage(case, dtype, fp8):
 
 
 @pytest.mark.parametrize("num_tokens", [2, 37])
-def test_fused_experts(num_tokens):
-    """fused_experts with its default path for the size, with model-dtype and float8 weights,
-    against the reference."""
+def test_fused_experts_and_the_torch_path(num_tokens):
+    """fused_experts with its default path for the size, and the engine's CPU path (torch_experts)
+    with model-dtype and float8 weights, against the reference."""
     for fp8 in (False, True):
         case = (num_tokens, 6, 2, 48, 24)
         x, w13, w2, scales, weights, ids = problem(*case, torch.float32, fp8, seed=num_tokens)
         _, _, out_ref, out_abs = reference(x, w13, w2, scales, weights, ids)
-        for run in (fused_experts,):
+        for run in (fused_experts, torch_experts):
             out = run(x, w13, w2, weights, ids, *scales)
             assert out.shape == x.shape and out.dtype == x.dtype
             assert_close(out, out_ref, out_abs, torch.float32, 48 + 24 + 2)
