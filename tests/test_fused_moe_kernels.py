@@ -15,7 +15,7 @@ from nanovllm.kernels.moe_routing import moe_align_block_size, moe_topk  # noqa:
 from nanovllm.layers.moe_method import torch_experts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-UNIT_ROUNDOFF = {torch.float32: 2**-24, torch.float16: 2**-11}
+UNIT_ROUNDOFF = {torch.float32: 2**-24, torch.float16: 2**-11, torch.bfloat16: 2**-8}
 PAIRS = MoEConfig(pairs=True, pair_n=16, pair_k=32)
 SORTED = [MoEConfig(block_m=16, block_n=32, block_k=32, group_m=1), MoEConfig(block_m=16, block_n=16, block_k=16,
                                                                              group_m=3)]
@@ -48,18 +48,27 @@ def problem(num_tokens, num_experts, top_k, hidden, inter, dtype, fp8=False, see
 
 def reference(x, w13, w2, scales, weights, ids):
     """(h [pairs, N], out [T, H]) in float64 and the sums of the magnitudes of their terms, the
-    scale of the error of any order of float sums (for the tolerance)."""
-    w13 = w13.double() if scales[0] is None else w13.double() * scales[0].double()[..., None]
-    w2 = w2.double() if scales[1] is None else w2.double() * scales[1].double()[..., None]
-    xs = x.double().repeat_interleave(ids.size(1), 0)
-    w_gate_up, w_down = w13[ids.reshape(-1).long()], w2[ids.reshape(-1).long()]
-    gate, up = torch.einsum("pk,pnk->pn", xs, w_gate_up).chunk(2, -1)
-    gate_abs, up_abs = torch.einsum("pk,pnk->pn", xs.abs(), w_gate_up.abs()).chunk(2, -1)
-    h = F.silu(gate) * up
-    h_abs = (F.silu(gate).abs() + gate_abs) * up_abs  # |silu(g)| and its error's growth: |silu'| <= 1.1
-    terms = weights.reshape(-1, 1).double() * torch.einsum("pk,pnk->pn", h, w_down)
-    terms_abs = weights.reshape(-1, 1).double() * torch.einsum("pk,pnk->pn", h_abs, w_down.abs())
-    t, k = ids.shape
+    scale of the error of any order of float sums (for the tolerance); expert by expert, so that
+    it fits at any size."""
+    (t, k), inter = ids.shape, w2.size(-1)
+    h = torch.empty(t * k, inter, dtype=torch.float64, device=x.device)
+    h_abs = torch.empty_like(h)
+    terms = torch.empty(t * k, x.size(1), dtype=torch.float64, device=x.device)
+    terms_abs = torch.empty_like(terms)
+    flat = ids.reshape(-1).long()
+    for expert in flat.unique().tolist():
+        pairs = (flat == expert).nonzero()[:, 0]
+        w_gate_up, w_down = w13[expert].double(), w2[expert].double()
+        if scales[0] is not None:
+            w_gate_up, w_down = w_gate_up * scales[0][expert, :, None], w_down * scales[1][expert, :, None]
+        xs = x[pairs // k].double()
+        gate, up = (xs @ w_gate_up.t()).chunk(2, -1)
+        gate_abs, up_abs = (xs.abs() @ w_gate_up.abs().t()).chunk(2, -1)
+        h[pairs] = F.silu(gate) * up
+        h_abs[pairs] = (F.silu(gate).abs() + gate_abs) * up_abs  # |silu(g)| and its error's growth: |silu'| <= 1.1
+        weight = weights.reshape(-1, 1)[pairs].double()
+        terms[pairs] = weight * (h[pairs] @ w_down.t())
+        terms_abs[pairs] = weight * (h_abs[pairs] @ w_down.abs().t())
     return h, h_abs, terms.view(t, k, -1).sum(1), terms_abs.view(t, k, -1).sum(1)
 
 

@@ -214,7 +214,9 @@ def test_fp8_experts_match_a_fake_quantized_transformers(tmp_path_factory):
     """quantization="fp8" on the fly: every expert's weights per output row in float8 with the
     activations in the model dtype; the dense projections as test_fp8_weights checks them
     (weights per row, inputs per token). Prompt logprobs equal those of transformers' float32
-    model given the same quantized values, and greedy tokens its argmax."""
+    model given the same quantized values (to float32 error; the tolerance also allows a rounding
+    of a quantized activation that flips between the two from float32 differences upstream), and
+    greedy tokens are its argmax."""
     import copy
 
     from nanovllm.kernels.fp8 import quantize_fp8
@@ -245,6 +247,42 @@ def test_fp8_experts_match_a_fake_quantized_transformers(tmp_path_factory):
     with torch.no_grad():
         logits = reference(torch.tensor([prompt + greedy])).logits[0, len(prompt) - 1:-1]
     assert (logits.amax(-1) - logits.gather(1, torch.tensor(greedy)[:, None])[:, 0]).max() < 1e-4
+
+
+def test_fp8_checkpoint_experts(tmp_path_factory, tmp_path):
+    """A checkpoint in Qwen's FP8 format (Qwen3-30B-A3B-FP8: every projection's weight, the
+    experts' too, as float8 blocks with weight_scale_inv; 16 x 16 here) selects quantization="fp8";
+    each expert's weights are the checkpoint's dequantized ones, quantized per output row."""
+    from safetensors.torch import load_file
+
+    from nanovllm.kernels.fp8 import dequantize_blocks, quantize_fp8
+    from tests.test_fp8_weights import BLOCK, PROJS, _block_quantize
+    path, _ = make_tiny_moe("qwen3_moe", tmp_path_factory)
+    tensors, dequantized = {}, {}
+    for name, tensor in load_file(os.path.join(path, "model.safetensors")).items():
+        if name.rsplit(".", 2)[-2] in PROJS:
+            q, scale = _block_quantize(tensor)
+            tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = q, scale
+            dequantized[name] = dequantize_blocks(q, scale, (BLOCK, BLOCK))
+        else:
+            tensors[name] = tensor
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [BLOCK, BLOCK]}
+    _save(tmp_path, tensors, config)
+    llm = LLM(str(tmp_path), device="cpu")
+    assert llm.config.quantization == "fp8"
+    for i in (0, 2):
+        experts = llm.engine.model_runner.model.model.layers[i].mlp.experts
+        for param, projs in (("w13_weight", ("gate_proj", "up_proj")), ("w2_weight", ("down_proj",))):
+            want = torch.stack([torch.cat([dequantized[f"model.layers.{i}.mlp.experts.{e}.{p}.weight"] for p in projs])
+                                for e in range(8)])
+            q, s = quantize_fp8(want)
+            assert torch.equal(getattr(experts, param).float() * getattr(experts, f"{param}_scale")[..., None],
+                               q.float() * s[..., None])
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 4
 
 
 def test_tensor_parallel_matches_one_rank(tmp_path_factory):

@@ -36,7 +36,10 @@ class MoEConfig:
     """How fused_experts runs. pairs: the pair path (else sorted). block_m, block_n, block_k,
     group_m, num_warps, num_stages: the sorted path's tiles (group_m tiles along M share their
     weight tiles' columns in L2 before moving along N). pair_n, pair_k, pair_warps: the pair
-    path's output rows per program and K step, for the gate/up and the down product alike."""
+    path's weight rows per program and K step (None: the product's whole K, up to 2048, in one
+    step), for the gate/up and the down product alike. The pair path's defaults follow the
+    one-row GEMV's measured tiling (gemv.gemv_config: 4 rows, all of K <= 3072 in one step, a
+    grid that leaves room on every SM), with 8 warps for gate/up's two accumulators."""
     pairs: bool = False
     block_m: int = 16
     block_n: int = 64
@@ -44,9 +47,9 @@ class MoEConfig:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    pair_n: int = 16
-    pair_k: int = 256
-    pair_warps: int = 4
+    pair_n: int = 4
+    pair_k: int | None = None
+    pair_warps: int = 8
 
 
 PAIRS_MAX_TOKENS = 4  # up to this many tokens the pair path; to be revisited with benchmarks/moe.py
@@ -124,9 +127,9 @@ def moe_down_pairs_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr
 
 
 @triton.jit
-def _tile(num_padded_ptr, N, num_m_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's (tile along M, tile along N), GROUP_M tiles along M per column of N tiles,
-    and whether the M tile holds pairs (tiles past num_padded do not)."""
+def _tile(N, num_m_tiles, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's (tile along M, tile along N): GROUP_M consecutive programs take GROUP_M tiles
+    along M of one column of N tiles, so that they share that column's weight tiles in L2."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * num_n)
@@ -134,7 +137,7 @@ def _tile(num_padded_ptr, N, num_m_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
     size = tl.minimum(num_m_tiles - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * num_n)) % size
     pid_n = (pid % (GROUP_M * num_n)) // size
-    return pid_m, pid_n, pid_m * BLOCK_M < tl.load(num_padded_ptr)
+    return pid_m, pid_n
 
 
 @triton.jit
@@ -145,8 +148,8 @@ def moe_gate_up_kernel(x_ptr, w_ptr, scale_ptr, sorted_ids_ptr, expert_ids_ptr, 
     (one expert, expert_ids[m]; slots holding num_pairs are padding), h[pair, n] = silu(x[t] .
     gate_e[n]) * (x[t] . up_e[n]) for its BLOCK_N columns; x [T, K], w [E, 2N, K], h [num_pairs,
     N]. Tensor-core products (float32: IEEE, not TF32), accumulated in float32."""
-    pid_m, pid_n, busy = _tile(num_padded_ptr, N, num_m_tiles, BLOCK_M, BLOCK_N, GROUP_M)
-    if not busy:
+    pid_m, pid_n = _tile(N, num_m_tiles, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # a tile past the pairs (the grid is sized for the most)
         return
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs
@@ -178,8 +181,8 @@ def moe_down_kernel(h_ptr, w_ptr, scale_ptr, sorted_ids_ptr, expert_ids_ptr, num
     """Grid (num_m_tiles * cdiv(N, BLOCK_N),): for the tile of pairs as in moe_gate_up_kernel,
     y[pair, n] = weights[pair] * (h[pair] . down_e[n]); h [num_pairs, K], w [E, N, K], weights
     [num_pairs] float32, y [num_pairs, N]."""
-    pid_m, pid_n, busy = _tile(num_padded_ptr, N, num_m_tiles, BLOCK_M, BLOCK_N, GROUP_M)
-    if not busy:
+    pid_m, pid_n = _tile(N, num_m_tiles, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # a tile past the pairs (the grid is sized for the most)
         return
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs
@@ -200,13 +203,17 @@ def moe_down_kernel(h_ptr, w_ptr, scale_ptr, sorted_ids_ptr, expert_ids_ptr, num
              mask=valid[:, None] & (rn[None, :] < N))
 
 
+def _pair_k(config: MoEConfig, k: int) -> int:
+    return config.pair_k or min(triton.next_power_of_2(k), 2048)
+
+
 def gate_up_pairs(x, w13, w13_scale, topk_ids, config: MoEConfig, out=None) -> torch.Tensor:
     """The pair path's first GEMM: h [num_pairs, N] in x's dtype (see moe_gate_up_pairs_kernel)."""
     num_pairs, n = topk_ids.numel(), w13.size(1) // 2
     h = out if out is not None else torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
     moe_gate_up_pairs_kernel[(num_pairs, triton.cdiv(n, config.pair_n))](
         x, w13, w13_scale, topk_ids, h, n, x.size(1), TOP_K=topk_ids.size(1), HAS_SCALE=w13_scale is not None,
-        BLOCK_N=config.pair_n, BLOCK_K=config.pair_k, num_warps=config.pair_warps)
+        BLOCK_N=config.pair_n, BLOCK_K=_pair_k(config, x.size(1)), num_warps=config.pair_warps)
     return h
 
 
@@ -215,7 +222,8 @@ def down_pairs(h, w2, w2_scale, topk_ids, topk_weights, out, config: MoEConfig) 
     num_tokens, hidden = out.shape
     moe_down_pairs_kernel[(num_tokens, triton.cdiv(hidden, config.pair_n))](
         h, w2, w2_scale, topk_ids, topk_weights, out, out.stride(0), hidden, h.size(1), TOP_K=topk_ids.size(1),
-        HAS_SCALE=w2_scale is not None, BLOCK_N=config.pair_n, BLOCK_K=config.pair_k, num_warps=config.pair_warps)
+        HAS_SCALE=w2_scale is not None, BLOCK_N=config.pair_n, BLOCK_K=_pair_k(config, h.size(1)),
+        num_warps=config.pair_warps)
     return out
 
 
