@@ -29,8 +29,8 @@ PAIR_SWEEP = [MoEConfig(pairs=True, pair_n=n, pair_k=k, pair_warps=w)
 SORTED_SWEEP = [MoEConfig(block_m=m, block_n=n, block_k=k, group_m=g, num_warps=w, num_stages=s)
                 for m, n, k, g, w, s in [
                     (16, 32, 128, 1, 4, 3), (16, 64, 128, 1, 4, 3), (16, 64, 256, 1, 4, 2), (16, 128, 128, 1, 4, 3),
-                    (32, 64, 128, 4, 4, 3), (32, 128, 64, 8, 4, 4), (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4),
-                    (64, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3), (128, 256, 64, 8, 8, 3), (64, 256, 64, 8, 8, 3)]]
+                    (32, 64, 128, 4, 4, 3), (32, 128, 64, 8, 4, 4), (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 3),
+                    (64, 128, 64, 8, 4, 4), (64, 128, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3), (64, 256, 64, 8, 8, 2)]]
 
 
 def layer_weights(layers, inter, fp8, g):
@@ -125,7 +125,11 @@ def main():
         out = torch.empty_like(x)
         rows = []
         for config in configs:
-            got = fused_experts(x, w13, w2, topk_weights, topk_ids, s13, s2, config=config)
+            try:  # a tiling may not fit this GPU's shared memory
+                got = fused_experts(x, w13, w2, topk_weights, topk_ids, s13, s2, config=config)
+            except Exception as e:  # Triton's OutOfResources and compile errors
+                print(f"{tokens:>6} {describe(config):<34} FAILED: {type(e).__name__}: {str(e)[:80]}")
+                continue
             err = ((got.float() - exact).abs().max() / exact.abs().max()).item()
             if not err < 2**-6:  # bf16 rounding of h, of each expert's output and of the sum
                 print(f"{tokens:>6} {describe(config):<34} WRONG: max error {err:.3g} of the largest output")

@@ -5,9 +5,10 @@ weighted sum over its top-k experts of h W_down^T. fused_experts picks one of tw
 Pairs (few tokens: a decode step of a few sequences): one program per (pair, output tile) for the
 gate/up product and per (token, output tile) for the down product, which loops over the token's
 experts and sums their products in registers: no sort, no padding, no intermediate [pairs,
-hidden] tensor, two launches. Each pair reads its expert's weights, so an expert chosen by two
-of the step's tokens is read twice (from L2 the second time, when the two run together): a
-cost that grows with the batch, which is why larger steps take the other path.
+hidden] tensor, two launches (with programmatic dependent launch, pdl.py, as the GEMVs). Each
+pair reads its expert's weights, so an expert chosen by two of the step's tokens is read twice
+(from L2 the second time, when the two run together): a cost that grows with the batch, which
+is why larger steps take the other path.
 
 Sorted (more tokens; vLLM's fused_moe design): the pairs are grouped by expert and padded to
 tiles of BLOCK_M rows (moe_routing.moe_align_block_size); each program of a grouped GEMM takes one
@@ -29,6 +30,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.moe_routing import max_padded_slots, moe_align_block_size
+from nanovllm.kernels.pdl import pdl_args, pdl_start
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,9 @@ PAIRS_MAX_TOKENS = 4  # up to this many tokens the pair path; to be revisited wi
 def default_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
     """The tiles for a step of num_tokens tokens: the pair path for a few tokens; then tiles that
     grow with the pairs per expert (num_tokens * top_k / num_experts), small M tiles while
-    experts get a few rows each (decode), large ones for prefill."""
+    experts get a few rows each (decode), large ones for prefill (vLLM's untuned defaults' shapes;
+    3 stages: 120 KB of shared memory for gate/up's tiles in bf16, within an A100's). Not yet
+    measured on a GPU: benchmarks/moe.py --sweep prints the fastest per size."""
     if num_tokens <= PAIRS_MAX_TOKENS:
         return MoEConfig(pairs=True)
     per_expert = num_tokens * top_k / num_experts
@@ -66,7 +70,7 @@ def default_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
         return MoEConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3)
     if per_expert <= 64:
         return MoEConfig(block_m=32, block_n=64, block_k=128, group_m=4, num_warps=4, num_stages=3)
-    return MoEConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4)
+    return MoEConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -76,10 +80,11 @@ def _silu_mul(gate, up):
 
 @triton.jit
 def moe_gate_up_pairs_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, N, K, TOP_K: tl.constexpr,
-                             HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Grid (num_pairs, cdiv(N, BLOCK_N)): h[p, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]) for
     pair p = t * TOP_K + j of expert e = ids[p], over this program's BLOCK_N columns n; x [T, K],
     w [E, 2N, K], h [num_pairs, N]; products summed in float32 (as a GEMV: one row)."""
+    pdl_start(PDL)
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,10 +107,12 @@ def moe_gate_up_pairs_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, N, K, TOP_
 
 @triton.jit
 def moe_down_pairs_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr, out_stride, N, K,
-                          TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PDL: tl.constexpr):
     """Grid (T, cdiv(N, BLOCK_N)): out[t, n] = sum_j weights[t, j] * (h[t * TOP_K + j] . down_e[n])
     for e = ids[t, j]; h [T * TOP_K, K], w [E, N, K], out [T, N] (rows out_stride apart), all
     sums in float32, the top-k sum in a fixed order."""
+    pdl_start(PDL)
     token, pid_n = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -213,7 +220,7 @@ def gate_up_pairs(x, w13, w13_scale, topk_ids, config: MoEConfig, out=None) -> t
     h = out if out is not None else torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
     moe_gate_up_pairs_kernel[(num_pairs, triton.cdiv(n, config.pair_n))](
         x, w13, w13_scale, topk_ids, h, n, x.size(1), TOP_K=topk_ids.size(1), HAS_SCALE=w13_scale is not None,
-        BLOCK_N=config.pair_n, BLOCK_K=_pair_k(config, x.size(1)), num_warps=config.pair_warps)
+        BLOCK_N=config.pair_n, BLOCK_K=_pair_k(config, x.size(1)), num_warps=config.pair_warps, **pdl_args(x.device))
     return h
 
 
@@ -223,7 +230,7 @@ def down_pairs(h, w2, w2_scale, topk_ids, topk_weights, out, config: MoEConfig) 
     moe_down_pairs_kernel[(num_tokens, triton.cdiv(hidden, config.pair_n))](
         h, w2, w2_scale, topk_ids, topk_weights, out, out.stride(0), hidden, h.size(1), TOP_K=topk_ids.size(1),
         HAS_SCALE=w2_scale is not None, BLOCK_N=config.pair_n, BLOCK_K=_pair_k(config, h.size(1)),
-        num_warps=config.pair_warps)
+        num_warps=config.pair_warps, **pdl_args(h.device))
     return out
 
 

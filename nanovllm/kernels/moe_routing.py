@@ -13,13 +13,16 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.pdl import pdl_args, pdl_start
+
 
 @triton.jit
 def moe_topk_kernel(logits_ptr, stride, weights_ptr, ids_ptr, E, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Grid (num_tokens,): a token's softmax over its E logits (float32), its TOP_K largest
     probabilities (ties to the lower expert id) in descending order, divided by their sum with
     RENORMALIZE; weights [num_tokens, TOP_K] float32, ids [num_tokens, TOP_K] int32."""
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + row * stride + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
@@ -50,7 +53,8 @@ def moe_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tupl
     if num_tokens:
         moe_topk_kernel[(num_tokens,)](router_logits, router_logits.stride(0), weights, ids, num_experts, TOP_K=top_k,
                                        RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-                                       BLOCK_K=triton.next_power_of_2(top_k), num_warps=1)
+                                       BLOCK_K=triton.next_power_of_2(top_k), num_warps=1,
+                                       **pdl_args(router_logits.device))
     return weights, ids
 
 
