@@ -180,6 +180,28 @@ def test_stacked_experts_checkpoint(tmp_path_factory, tmp_path):
     check_against_hf(llm, hf_model, random_prompts([5, 30], seed=8), max_tokens=8)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_dummy_weights_fill_every_expert(arch, tmp_path_factory):
+    """load_format="dummy" writes a random checkpoint under the model's own expert names (one
+    tensor per expert and projection, as transformers saves them), which fills every expert."""
+    from nanovllm.loader.weights import dummy_weights
+    from nanovllm.models.registry import model_class
+    path, hf_model = make_tiny_moe(arch, tmp_path_factory)
+    llm = LLM(path, load_format="dummy", device="cpu", seed=3)
+    cls = model_class(hf_model.config)
+    names = dict(dummy_weights(cls, hf_model.config, 3, torch.device("cpu"), torch.float32))
+    gate_up = [f for f, (_, shard) in cls.expert_mapping.items() if shard is not None]  # in shard order
+    down = next(f for f, (_, shard) in cls.expert_mapping.items() if shard is None)
+    i = len(hf_model.model.layers) - 1  # a sparse layer in each tiny model
+    experts = llm.engine.model_runner.model.model.layers[i].mlp.experts
+    for e in (0, experts.num_experts - 1):
+        want = torch.cat([names[f"model.layers.{i}.mlp.experts.{e}.{f}.weight"] for f in gate_up])
+        assert torch.equal(experts.w13_weight[e], want)
+        assert torch.equal(experts.w2_weight[e], names[f"model.layers.{i}.mlp.experts.{e}.{down}.weight"])
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 3
+
+
 def test_checkpoint_errors_name_the_expert(tmp_path_factory, tmp_path):
     from tests.test_reliability import copy_model, edit_tensors
     path, _ = make_tiny_moe("mixtral", tmp_path_factory)
