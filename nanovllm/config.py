@@ -38,7 +38,6 @@ class Config(EngineArgs):
         args.validate()
         path, load_format = resolve_path(args.model, args.load_format)
         hf_config = read_hf_config(path, load_format, args.trust_remote_code)
-        _check_tensor_parallel(hf_config, args.tensor_parallel_size)
         device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                               else "cpu" if args.device == "auto" else args.device)
         tok = load_tokenizer(path, load_format, hf_config, args.trust_remote_code) if with_tokenizer else None
@@ -136,16 +135,3 @@ def _eos_token_ids(hf_config, tokenizer) -> frozenset:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
-
-
-def _check_tensor_parallel(hf_config, tp_size: int):
-    """Raise ValueError unless the model splits evenly over tp_size ranks: query heads and the
-    intermediate size divisible by it, and KV heads either divisible by it or dividing it (then
-    each KV head is replicated on tp_size / num_key_value_heads ranks)."""
-    if tp_size == 1:
-        return
-    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    if heads % tp_size or hf_config.intermediate_size % tp_size or (kv_heads % tp_size and tp_size % kv_heads):
-        raise ValueError(f"tensor_parallel_size={tp_size} does not split this model: it needs to divide "
-                         f"num_attention_heads={heads} and intermediate_size={hf_config.intermediate_size}, and "
-                         f"to divide or be a multiple of num_key_value_heads={kv_heads}")

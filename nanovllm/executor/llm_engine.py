@@ -32,7 +32,9 @@ class LLMEngine(EngineCore):
 
 def check_model(config: Config):
     """Raise before anything starts: ValueError for an architecture nanovllm does not implement
-    (naming those it does), FileNotFoundError for a checkpoint without its weights."""
-    model_class(config.hf_config)
+    (naming those it does), a config it cannot serve or a tensor_parallel_size that does not
+    split the model (the model class's check_config); FileNotFoundError for a checkpoint without
+    its weights."""
+    model_class(config.hf_config).check_config(config.hf_config, config.tensor_parallel_size)
     if config.load_format == "safetensors":
         safetensors_files(config.model)
