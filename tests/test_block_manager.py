@@ -211,3 +211,26 @@ def test_truncate_keeps_computed_tokens_consistent():
     assert a.block_table == [] and a.num_computed_tokens == 0 and bm.num_free_blocks == 10
     check_invariants(bm, [])
 
+
+def test_scheduler_runs_drafts_whole_or_drops_them():
+    bm = BlockManager(20, 4)
+    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=8, block_manager=bm)
+    a, b, c = seq(range(5), 10), seq(range(10, 13), 10), seq(range(20, 22), 10)
+    for s in (a, b):
+        sched.add(s)
+    assert sched.schedule() == [(a, 5), (b, 3)] and sched.scheduled_drafts == {}
+    for s in (a, b):
+        s.token_ids.append(7)  # their first sampled tokens
+    sched.add(c)
+    sched.drafts = {a.seq_id: [1, 2, 3], b.seq_id: [4, 5, 6, 8, 9]}
+    # after the decodes (1 + 1 of 8), a's 3 drafts fit and run with its token; b's 5 do not (3 left):
+    # b decodes plainly and its drafts, which follow its current last token, are dropped; c gets the rest
+    assert sched.schedule() == [(a, 4), (b, 1), (c, 2)]
+    assert sched.scheduled_drafts == {a.seq_id: [1, 2, 3]} and sched.drafts == {}
+    assert a.num_computed_tokens == 9 and len(a.block_table) == 3
+    check_invariants(bm, [a, b, c])
+    sched.drafts = {b.seq_id: [1], c.seq_id: [2]}
+    sched.finish(b, "abort")
+    assert sched.drafts == {c.seq_id: [2]}
+    sched.abort_all()
+    assert sched.drafts == {} and bm.num_free_blocks == 20
