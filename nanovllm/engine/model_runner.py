@@ -1,6 +1,6 @@
 """Builds the model on this rank's device and runs one packed forward per step: K/V go into the
-paged cache, logits are computed for the sampled rows only and sampled on rank 0. Decode steps
-replay CUDA graphs. Under tensor parallelism every rank has a ModelRunner; rank 0 plans each step
+paged cache, logits are computed for the sampled rows only and sampled on rank 0. Uniform steps
+(decode; verify runs of one length) replay CUDA graphs. Under tensor parallelism every rank has a ModelRunner; rank 0 plans each step
 and sends the plan to the others (nanovllm/executor/tp_workers.py), and each rank computes the
 logits of its shard of the vocabulary, which the StepSampler (nanovllm/sampling) of every rank
 samples together."""
@@ -13,7 +13,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.kv_cache import KVCacheSpec, num_kv_blocks
 from nanovllm.sequence import Sequence
-from nanovllm.engine.step_inputs import Stager, StepPlan, plan_step
+from nanovllm.engine.step_inputs import Stager, StepPlan, draft_offsets, plan_step
 from nanovllm.engine.trace import region
 from nanovllm.layers.attention import Attention, make_backend
 from nanovllm.layers.linear import process_weights_after_loading
@@ -32,12 +32,13 @@ PROMPT_LOGITS_ROWS = 1024  # logits rows made at once for prompt logprobs: 0.6 G
 
 @dataclass
 class LaunchedStep:
-    """A step launched on the device, whose sampled tokens the engine reads later (read_tokens)."""
-    seqs: list[Sequence]  # the sequences sampled in the step, in row order
+    """A step launched on the device, whose sampled tokens (one a row) the engine reads later (read_tokens)."""
+    seqs: list[Sequence]  # each sampled row's sequence, in row order (a verify run's once per row)
     host: torch.Tensor | None  # [len(seqs)] int64: the sampled tokens, being copied to the host
     event: object  # CUDA event recorded after that copy, or None on CPU
     logprobs: TokenLogprobs | None = None  # of the rows whose request asked for logprobs, being copied too
     prompt_logprobs: tuple[list, TokenLogprobs] | None = None  # plan_step's prompt spans and their logprobs
+    runs: list[tuple] = ()  # plan_step's verify runs: (sequence, its first row, its drafts)
 
 
 class ModelRunner:
@@ -85,14 +86,13 @@ class ModelRunner:
         self.backend.bind_kv_cache(self.kv_cache)
         if self.device.type == "cuda":
             # allocating pinned memory per step would synchronize the device; events are reused likewise
-            self._pinned = [(torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-                            for _ in range(2)]
+            rows = config.max_num_seqs + config.max_num_batched_tokens  # sampled rows: a step's drafts add theirs
+            self._pinned = [(torch.empty(rows, dtype=torch.int64, pin_memory=True), torch.cuda.Event()) for _ in range(2)]
             if not config.enforce_eager and self.backend.supports_cuda_graphs:
                 from nanovllm.engine.cuda_graphs import CUDAGraphRunner  # Triton's: with CUDA only
-                self.graph_runner = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs,
-                                                    self.max_blocks_per_seq, self.hf_config.hidden_size,
-                                                    self.model.lm_head.weight.size(0), self.dtype, self.device,
-                                                    workers.graphs if workers else {})
+                self.graph_runner = CUDAGraphRunner(self.model, self.backend, config, self.max_blocks_per_seq,
+                                                    self.hf_config.hidden_size, self.model.lm_head.weight.size(0),
+                                                    self.dtype, self.device, workers.graphs if workers else {})
                 self.graph_runner.capture()
 
     def _build_model(self):
@@ -150,7 +150,7 @@ class ModelRunner:
             scheduled.append((seq, n))
         cache = self.kv_spec.allocate(next_block, self.device)
         self.backend.bind_kv_cache(cache)
-        plan, seqs, _ = plan_step(scheduled, bs, {})
+        plan, seqs, _, _ = plan_step(scheduled, bs, {})
         self.execute(plan, st=self.sampler.prepare(seqs, {}, None))  # greedy: under tensor parallelism, from shards
         logits = torch.zeros(cfg.max_num_seqs, self.model.lm_head.weight.size(0), device=self.device, dtype=self.dtype)
         self.sampler(logits, SamplingTensors(torch.ones(cfg.max_num_seqs, device=self.device)))  # compiles its kernel
@@ -164,24 +164,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]], forks: dict[int, list[Sequence]] | None = None,
-            block_copies: list[tuple[int, int]] = ()) -> LaunchedStep | None:
+            block_copies: list[tuple[int, int]] = (), drafts: dict[int, list[int]] | None = None) -> LaunchedStep | None:
         """Launch one step without waiting for it (rank 0); None when it has nothing to read back
-        (no sampled row, no prompt logprobs). A token a
-        sequence has not read back yet (PLACEHOLDER) is taken from the last launched step's
-        sampled tokens on the device. forks, block_copies: sequences forked this step (see plan_step)."""
+        (no sampled row, no prompt logprobs). A token a sequence has not read back yet (PLACEHOLDER)
+        is taken from the last launched step's sampled tokens on the device. forks, block_copies:
+        sequences forked this step; drafts: the draft tokens of verifying sequences (see plan_step)."""
         with region("prepare_inputs"):
-            plan, seqs, prompt_spans = plan_step(scheduled, self.block_size, self._prev_rows, forks, block_copies)
+            plan, seqs, prompt_spans, runs = plan_step(scheduled, self.block_size, self._prev_rows, forks,
+                                                       block_copies, drafts)
         st = None
         if seqs:
             with region("sampling"):
-                st = self.sampler.prepare(seqs, self._prev_rows, self._prev_sampled)
+                st = self.sampler.prepare(seqs, self._prev_rows, self._prev_sampled, draft_offsets(runs, len(seqs)))
         if self.workers is None:
             out, prompt_lp = self.execute(plan, self._prev_sampled, st)
         else:
             with self.workers.step_guard():
                 self.workers.send(replace(plan, input_ids=None, pending=None), st and st.for_workers())
                 out, prompt_lp = self.execute(plan, self._prev_sampled, st)
-        self._prev_rows = {seq.seq_id: row for row, seq in enumerate(seqs)}
+        self._prev_rows = {seq.seq_id: row for row, seq in enumerate(seqs)}  # a run's last row: its pending token
         self._prev_sampled = sampled = logprobs = None
         if out is None and prompt_lp is None:
             return None
@@ -189,7 +190,7 @@ class ModelRunner:
             sampled, logprobs = out
             self._prev_sampled = sampled
         if self.device.type != "cuda":
-            return LaunchedStep(seqs, sampled, None, logprobs, prompt_lp and (prompt_spans, prompt_lp))
+            return LaunchedStep(seqs, sampled, None, logprobs, prompt_lp and (prompt_spans, prompt_lp), runs)
         self._pinned.reverse()  # two buffers in turn: at most two steps' tokens are unread at once
         buffer, event = self._pinned[0]
         host = buffer[:len(seqs)]
@@ -197,10 +198,10 @@ class ModelRunner:
             host.copy_(sampled, non_blocking=True)
         logprobs, prompt_lp = (x.to("cpu", non_blocking=True) if x is not None else None for x in (logprobs, prompt_lp))
         event.record(self.stager.stream)
-        return LaunchedStep(seqs, host, event, logprobs, prompt_lp and (prompt_spans, prompt_lp))
+        return LaunchedStep(seqs, host, event, logprobs, prompt_lp and (prompt_spans, prompt_lp), runs)
 
     def read_tokens(self, step: LaunchedStep) -> list[int]:
-        """Wait for a launched step and return its sampled token ids, in row order."""
+        """Wait for a launched step and return its sampled token ids, in row order (step.seqs')."""
         if step.event is not None:
             if self.workers is None:
                 step.event.synchronize()
@@ -217,23 +218,23 @@ class ModelRunner:
         with region("prepare_inputs"):
             tensors = self.stager.upload_plan(plan, self.backend.host_arrays(plan))
             meta = self.backend.build_metadata(plan, tensors)
-            graph_bs = self.graph_runner.batch_size_for(meta) if self.graph_runner else None
+            graph = self.graph_runner.graph_for(meta) if self.graph_runner else None
             pending = tensors.get("pending") if plan.input_ids is not None and len(plan.pending) else None
             if plan.input_ids is None:  # a tensor-parallel worker: rank 0 broadcasts the ids
                 input_ids = torch.empty(int(plan.cu_seqlens_q[-1]), dtype=torch.int64, device=self.device)
             else:
                 input_ids = tensors["input_ids"]
-                if pending is not None and (graph_bs is None or self.world_size > 1):
+                if pending is not None and (graph is None or self.world_size > 1):
                     index, rows = pending.unbind(1)
                     input_ids[index] = prev_sampled[rows]
                     pending = None
             if self.world_size > 1:
                 dist.broadcast(input_ids, 0)
         with region("forward"):
-            if graph_bs is None:
+            if graph is None:
                 hidden, logits = self.model(input_ids, meta), None
             else:  # the graph computes every row's logits (this rank's slice); pending ids are gathered with its inputs
-                hidden, logits = self.graph_runner.replay(graph_bs, input_ids, pending, prev_sampled, meta)
+                hidden, logits = self.graph_runner.replay(graph, input_ids, pending, prev_sampled, meta)
         if len(plan.block_copies):  # forked sequences' own copy of a shared, partial block, written just now
             src, dst = tensors["block_copies"].unbind(1)  # staged with the plan: a blocking copy would wait for the GPU
             self.kv_cache.copy_blocks(src, dst)
@@ -241,7 +242,7 @@ class ModelRunner:
         if not len(plan.sample_rows):
             return None, prompt_lp
         with region("compute_logits"):
-            rows = plan.sample_rows  # every row once (a decode step) needs no gather
+            rows = plan.sample_rows  # every row once (a decode step, a step of verify runs only) needs no gather
             gather_rows = len(rows) != hidden.size(0) or not np.array_equal(rows, np.arange(len(rows)))
             if logits is None:
                 logits = self.model.lm_head(hidden[tensors["sample_rows"]] if gather_rows else hidden)

@@ -153,9 +153,10 @@ class Processor:
                              completions, request.finished, request.seqs[0].num_cached_tokens)
 
     def _completion(self, seq: Sequence, delta: bool) -> CompletionOutput:
-        known = seq.token_ids[seq.num_prompt_tokens:]
-        if known and known[-1] == PLACEHOLDER:
-            known = known[:-1]  # a sampled token not read back yet
+        end = len(seq.token_ids)
+        while end > seq.num_prompt_tokens and seq.token_ids[end - 1] == PLACEHOLDER:
+            end -= 1  # sampled tokens not read back yet (a verify run's: one per position)
+        known = seq.token_ids[seq.num_prompt_tokens:end]
         params, start = seq.sampling_params, seq.num_reported_tokens if delta else 0
         if seq.detokenizer is not None:
             text = seq.detokenizer.text

@@ -7,6 +7,10 @@ allow, starting after their prefix-cache hit. When a running sequence needs a bl
 free, the newest running sequence is preempted: its blocks are freed and it is recomputed later
 (its generated tokens are kept). The KV pool always holds one `max_model_len` sequence, so the
 oldest sequence always progresses and there is no deadlock.
+
+A decoding sequence with draft tokens (drafts: proposed by EngineCore.add_draft_tokens) runs them
+too, whole, after its token, while budget and free blocks allow; else they are dropped (they
+follow its current last token). Those of the step are scheduled_drafts, which it verifies.
 """
 from collections import deque
 
@@ -22,6 +26,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.drafts: dict[int, list[int]] = {}  # seq_id -> draft tokens to verify in its next step
+        self.scheduled_drafts: dict[int, list[int]] = {}  # those of the last schedule(), counted in its entries
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)
@@ -31,8 +37,9 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """Return this step's (sequence, number of new tokens) pairs: running ones first, or in a
-        decode-only step, longest context first. Each sequence's num_computed_tokens already
-        counts its new tokens (as in vLLM, the step is as good as launched)."""
+        decode-only step, longest context first; a sequence verifying drafts counts them
+        (scheduled_drafts). Each sequence's num_computed_tokens already counts its new tokens (as
+        in vLLM, the step is as good as launched)."""
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
@@ -49,6 +56,9 @@ class Scheduler:
                 scheduled.append((seq, n))
                 budget -= n
                 i += 1
+        self.scheduled_drafts = {}
+        if self.drafts:
+            budget = self._schedule_drafts(scheduled, budget)
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             cached = self.block_manager.find_cached_blocks(seq)
@@ -68,6 +78,17 @@ class Scheduler:
             scheduled.sort(key=lambda item: item[0].num_computed_tokens, reverse=True)
         return scheduled
 
+    def _schedule_drafts(self, scheduled: list[tuple[Sequence, int]], budget: int) -> int:
+        """Extend each scheduled decode (one new token) of a sequence with drafts by its drafts, where
+        the budget and free blocks allow; the others' drafts are dropped. Returns the budget left."""
+        for i, (seq, n) in enumerate(scheduled):
+            drafts = self.drafts.pop(seq.seq_id, None)
+            if drafts and n == 1 and len(drafts) <= budget and self.block_manager.allocate_slots(seq, 1 + len(drafts)):
+                scheduled[i] = (seq, 1 + len(drafts))
+                self.scheduled_drafts[seq.seq_id] = drafts
+                budget -= len(drafts)
+        return budget
+
     def fork(self, parent: Sequence, child: Sequence) -> tuple[bool, tuple[int, int] | None]:
         """Start `child` (a copy of `parent`'s prompt, for SamplingParams.n) from `parent`'s KV, just
         computed: running beside it when max_num_seqs and a free block allow, else waiting first in
@@ -85,6 +106,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence):
         self.block_manager.free(seq)
+        self.drafts.pop(seq.seq_id, None)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
@@ -97,6 +119,7 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self.drafts.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -106,4 +129,5 @@ class Scheduler:
         for seq in self.running:
             self.block_manager.free(seq)
         self.running, self.waiting = [], deque()
+        self.drafts.clear()
         return seqs

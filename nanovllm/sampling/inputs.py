@@ -10,13 +10,17 @@ from nanovllm.sequence import Sequence
 
 
 def sampling_tensors(seqs: list[Sequence], device: torch.device, processors: list[LogitsProcessor],
-                     prev_rows: dict[int, int], prev_sampled: torch.Tensor | None, vocab_size: int) -> SamplingTensors:
-    """The step's SamplingTensors. A seeded row's noise is hashed from (its seed, its completion
-    length), so it repeats whatever the batch and after a preemption. processors: in the order they
-    apply; each prepares the rows that carry it (LogitsProcessor.prepare), among those whose
-    params need processing. A completion token not read back yet (PLACEHOLDER, the last one) is
-    prev_sampled[prev_rows[seq_id]] on the device. vocab_size: the logits' width (a top_k at or above
-    it is no top-k, as vLLM's). Every field empty when every row is plain greedy."""
+                     prev_rows: dict[int, int], prev_sampled: torch.Tensor | None, vocab_size: int,
+                     draft_offsets: list[int] | None = None) -> SamplingTensors:
+    """The step's SamplingTensors. A seeded row's noise is hashed from (its seed, the completion
+    index of the token it samples: the sequence's completion length, plus draft_offsets[row] where
+    given), so it repeats whatever the batch and after a preemption; a verify run's rows (its
+    sequence on consecutive rows, engine/step_inputs.plan_step) sample the positions after each of
+    its drafts. processors: in the order they apply; each prepares the rows that carry it
+    (LogitsProcessor.prepare), among those whose params need processing (never a verify run's:
+    their state follows one row per sequence). A completion token not read back yet (PLACEHOLDER,
+    the last one) is prev_sampled[prev_rows[seq_id]] on the device. vocab_size: the logits' width
+    (a top_k at or above it is no top-k, as vLLM's). Every field empty when every row is plain greedy."""
     params = [seq.sampling_params for seq in seqs]
     st = SamplingTensors()
     if not any(p.temperature > 0 or p.needs_processing or p.logprobs is not None for p in params):
@@ -34,8 +38,8 @@ def sampling_tensors(seqs: list[Sequence], device: torch.device, processors: lis
             st.top_p = dev([p.top_p for p in params], torch.float32)
         if any(p.min_p > 0 for p in params):
             st.min_p = dev([p.min_p for p in params], torch.float32)
-        seeded = [(row, hash((seq.seed, seq.num_completion_tokens)) & 0x7FFFFFFF) for row, (seq, p)
-                  in enumerate(zip(seqs, params)) if p.seed is not None and p.temperature > 0]
+        seeded = [(row, hash((seq.seed, seq.num_completion_tokens + (draft_offsets[row] if draft_offsets else 0)))
+                   & 0x7FFFFFFF) for row, (seq, p) in enumerate(zip(seqs, params)) if p.seed is not None and p.temperature > 0]
         st.seeds = (dev([r for r, _ in seeded], torch.int64), dev([s for _, s in seeded], torch.int64)) if seeded else None
     logprob_rows = [row for row, p in enumerate(params) if p.logprobs is not None]
     if logprob_rows:

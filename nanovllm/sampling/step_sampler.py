@@ -25,10 +25,11 @@ class StepSampler:
         self.processors = [cls(config.hf_config.vocab_size, config.eos_token_ids, device)
                            for cls in processors.PROCESSORS]
 
-    def prepare(self, seqs: list[Sequence], prev_rows: dict[int, int],
-                prev_sampled: torch.Tensor | None) -> SamplingTensors:
+    def prepare(self, seqs: list[Sequence], prev_rows: dict[int, int], prev_sampled: torch.Tensor | None,
+                draft_offsets: list[int] | None = None) -> SamplingTensors:
         """The SamplingTensors of seqs, the step's sampled sequences in row order (see sampling_tensors)."""
-        st = sampling_tensors(seqs, self.device, self.processors, prev_rows, prev_sampled, self.vocab_size)
+        st = sampling_tensors(seqs, self.device, self.processors, prev_rows, prev_sampled, self.vocab_size,
+                              draft_offsets)
         st.from_shards = self.lm_head.tp_size > 1 and draws_from_shards(st)
         return st
 
