@@ -131,7 +131,7 @@ class TPGroup:
                                      norm.weight, norm.eps)
 
     def leave(self, graphs: dict):
-        """End this rank's part in the group: free its CUDA graphs (`graphs`, batch size ->
+        """End this rank's part in the group: free its CUDA graphs (`graphs`, (batch size, q_len) ->
         torch.cuda.CUDAGraph, emptied), then destroy the group. The order matters: NCCL's
         communicator teardown waits forever while a graph that captured one of its collectives lives
         (pytorch/pytorch#115388). Every rank calls it, together, when the engine ends."""
