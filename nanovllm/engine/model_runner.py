@@ -22,7 +22,7 @@ from nanovllm.layers.linear_method import linear_method
 from nanovllm.sampling.sampler import (Sampler, SamplingTensors, TokenLogprobs, first_max, shard_candidates,
                                      token_logprobs)
 from nanovllm.loader.source import iter_weights
-from nanovllm.loader.weights import dummy_weights, load_weights
+from nanovllm.loader.weights import check_weights_fit, dummy_weights, load_weights
 from nanovllm.models.registry import model_class
 from nanovllm.distributed.process_group import init_process_group
 from nanovllm.distributed.state import TensorParallel
@@ -104,7 +104,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             if self.device.type == "cuda":
-                self._check_weights_fit(cls, tp)
+                check_weights_fit(cls, self.hf_config, tp, self.dtype, self.config.gpu_memory_utilization)
             with torch.device(self.device):
                 model = cls(self.hf_config, tp, self.backend, linear_method(self.config.quantization))
         finally:
@@ -117,23 +117,6 @@ class ModelRunner:
         if cfg.quantization and self.device.type == "cuda":
             torch.cuda.empty_cache()  # the model-dtype weights' memory, for the KV cache
         return model
-
-    def _check_weights_fit(self, cls, tp: TensorParallel):
-        """Raise MemoryError, before allocating anything, when the weights alone exceed the engine's
-        share of the GPU: gpu_memory_utilization x total memory, less what is already in use (after
-        this process's allocator returns its cached free memory, e.g. a deleted LLM's)."""
-        with torch.device("meta"):
-            params = {id(p): p for p in cls(self.hf_config, tp).parameters()}.values()
-        need = sum(p.numel() for p in params) * self.dtype.itemsize
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        utilization = self.config.gpu_memory_utilization
-        share = total * utilization - (total - free)
-        if need > share:
-            raise MemoryError(f"the weights need {need / 2**30:.2f} GiB in {self.dtype}, but the engine may use "
-                              f"{max(share, 0) / 2**30:.2f} GiB (gpu_memory_utilization={utilization} of "
-                              f"{total / 2**30:.1f} GiB, {(total - free) / 2**30:.2f} GiB already in use); raise "
-                              f"gpu_memory_utilization, pick a smaller dtype, or free the GPU")
 
     @torch.inference_mode()
     def _warmup(self) -> int:
