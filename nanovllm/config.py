@@ -51,6 +51,9 @@ class Config:
     run: "mp" (processes of this host) or "ray" (actors on the Ray cluster, nanovllm/executor/ray_replicas.py).
     trust_remote_code: let transformers run the model folder's own Python code for its config and
     tokenizer (vLLM's meaning); the model itself must still be an architecture nanovllm implements.
+    enable_lora: serve PEFT LoRA adapters (generate(..., lora_request=...)); max_loras: adapters in
+    one step (their slots on the device); max_lora_rank: the largest adapter rank; max_cpu_loras:
+    adapters kept on the host (default max_loras, at least as many).
 
     After `create`, model is a local path, dtype and kv_cache_dtype torch.dtypes, device a torch.device, load_format,
     attention_backend and max_model_len concrete, and hf_config, tokenizer and eos_token_ids set.
@@ -79,6 +82,10 @@ class Config:
     max_logprobs: int = 20
     distributed_executor_backend: str = "mp"
     trust_remote_code: bool = False
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # resolved by create()
     hf_config: object = field(default=None, repr=False)
     tokenizer: object = field(default=None, repr=False, compare=False)
@@ -110,12 +117,13 @@ class Config:
                        attention_backend=backend,
                        max_model_len=_resolve_max_model_len(args.max_model_len, hf_config),
                        eos_token_ids=_eos_token_ids(hf_config, tok), max_model_len_is_default=args.max_model_len is None,
+                       max_cpu_loras=args.max_cpu_loras or args.max_loras,
                        generation_defaults=read_generation_defaults(path, load_format)
                        if args.generation_config == "auto" else {})
 
     def _validate(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size",
-                     "data_parallel_size"):
+                     "data_parallel_size", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -127,8 +135,14 @@ class Config:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {self.max_logprobs!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.trust_remote_code, bool):
-            raise ValueError(f"trust_remote_code must be True or False, got {self.trust_remote_code!r}")
+        for name in ("trust_remote_code", "enable_lora"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        cpu_loras = self.max_cpu_loras
+        if cpu_loras is not None and (not isinstance(cpu_loras, int) or isinstance(cpu_loras, bool)
+                                      or cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be None or an integer >= max_loras={self.max_loras}, "
+                             f"got {cpu_loras!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.cpu_kvcache_space_gib > 0:

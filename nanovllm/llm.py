@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 from nanovllm.config import Config
 from nanovllm.engine.base import EngineBase
 from nanovllm.executor.llm_engine import LLMEngine, check_model
+from nanovllm.lora_request import LoRARequest
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -51,10 +52,12 @@ class LLM:
         top_k, min_p, repetition_penalty), unless the engine has generation_config="vllm"."""
         return SamplingParams(**self.config.generation_defaults)
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Complete every prompt (strings, token-id lists, or {"prompt_token_ids": ...} dicts) with its
-        SamplingParams (one for all, or one per prompt; None: get_default_sampling_params()).
-        Returns one finished RequestOutput per prompt, in input order.
+        SamplingParams (one for all, or one per prompt; None: get_default_sampling_params()) and
+        its LoRA adapter (lora_request: one for all, or one per prompt, None for the base model;
+        the engine needs enable_lora=True). Returns one finished RequestOutput per prompt, in input order.
 
         Raises ValueError("request i: ...") before any work if any request is invalid; then none of
         the call's requests run (the whole call is refused, so a batch never half-runs); TypeError
@@ -64,13 +67,19 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         processor = self.engine.processor
+        pairs = processor.normalize(prompts, sampling_params)
+        if not isinstance(lora_request, (list, tuple)):
+            lora_request = [lora_request] * len(pairs)
+        elif len(lora_request) != len(pairs):
+            raise ValueError(f"got {len(lora_request)} lora_requests for {len(pairs)} prompts; pass one, "
+                             f"or one per prompt")
         requests = []
-        for i, (prompt, params) in enumerate(processor.normalize(prompts, sampling_params)):
+        for i, ((prompt, params), lora) in enumerate(zip(pairs, lora_request)):
             try:  # validate all before queuing any, tokenizing each prompt once
-                request = processor.make_request("", prompt, params)
+                request = processor.make_request("", prompt, params, lora)
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
-            requests.append(({"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}, params))
+            requests.append(({"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}, params, lora))
         with self._lock:
             return self._run(requests, use_tqdm)
 
@@ -79,8 +88,9 @@ class LLM:
         outputs: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
-            for request_id, (prompt, params) in zip(ids, requests):
-                self.engine.add_request(request_id, prompt, replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
+            for request_id, (prompt, params, lora) in zip(ids, requests):
+                self.engine.add_request(request_id, prompt, replace(params, output_kind=RequestOutputKind.FINAL_ONLY),
+                                        lora)
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     outputs[out.request_id] = out
@@ -94,12 +104,13 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, lora_request=None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list
         of them, each rendered by the tokenizer's chat template (or `chat_template`); tools (JSON
         schemas of functions) and chat_template_kwargs go to the template (e.g. {"enable_thinking":
         False} for Qwen3). A content may also be a list of OpenAI-style text parts ({"type": "text",
         "text": ...}), joined with newlines as vLLM does for templates that take strings.
+        lora_request: as generate's, one per conversation.
         ValueError when the model has no tokenizer or no chat template, a message is not a dict
         with "role" and "content" (some templates would drop it without a word), or a content
         part is not text (no multimodal input here)."""
@@ -118,7 +129,7 @@ class LLM:
         # the template already holds the special tokens (e.g. BOS); encode must not add them again
         prompts = [{"prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False), "prompt": p}
                    for p in prompts]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (e.g. between benchmark runs); False while requests hold blocks."""

@@ -82,6 +82,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    lora_request: object = None  # the LoRARequest it ran with, or None
 
     @property
     def text(self) -> str:

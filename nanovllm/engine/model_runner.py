@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.engine.kv_cache import KVCacheSpec, num_kv_blocks
+from nanovllm.engine.lora_manager import LoRAManager
 from nanovllm.sequence import Sequence
 from nanovllm.sampling.inputs import TokenCounts, sampling_tensors
 from nanovllm.engine.step_inputs import Stager, StepPlan, plan_step
@@ -64,6 +65,7 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.backend = make_backend(config.attention_backend)
+        self.lora = LoRAManager(config) if config.enable_lora else None  # LoRA adapters' slots
         self.model = self._build_model()
         self.sampler = Sampler(config.seed, config.logprobs_mode)
         self.token_counts = TokenCounts(self.hf_config.vocab_size, self.device)
@@ -94,7 +96,7 @@ class ModelRunner:
                 self.graph_runner = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs,
                                                     self.max_blocks_per_seq, self.hf_config.hidden_size,
                                                     self.model.lm_head.weight.size(0), self.dtype, self.device,
-                                                    workers.graphs if workers else {})
+                                                    workers.graphs if workers else {}, self.lora and self.lora.context)
                 self.graph_runner.capture()
 
     def _build_model(self):
@@ -106,7 +108,8 @@ class ModelRunner:
             if self.device.type == "cuda":
                 check_weights_fit(cls, self.hf_config, tp, self.dtype, self.config.gpu_memory_utilization)
             with torch.device(self.device):
-                model = cls(self.hf_config, tp, self.backend, linear_method(self.config.quantization))
+                method = linear_method(self.config.quantization)
+                model = cls(self.hf_config, tp, self.backend, self.lora.wrap(method) if self.lora else method)
         finally:
             torch.set_default_dtype(default_dtype)
         cfg = self.config
@@ -114,6 +117,8 @@ class ModelRunner:
             else iter_weights(cfg.model, cfg.load_format, self.hf_config)
         load_weights(model, weights)
         process_weights_after_loading(model)
+        if self.lora:
+            self.lora.attach(model)
         if cfg.quantization and self.device.type == "cuda":
             torch.cuda.empty_cache()  # the model-dtype weights' memory, for the KV cache
         return model
@@ -158,6 +163,7 @@ class ModelRunner:
         sampled tokens on the device. forks, block_copies: sequences forked this step (see plan_step)."""
         with region("prepare_inputs"):
             plan, seqs, prompt_spans = plan_step(scheduled, self.block_size, self._prev_rows, forks, block_copies)
+            plan.lora = self.lora.plan(scheduled, plan.is_decode) if self.lora else None
         st = None
         if seqs:
             with region("sampling"):
@@ -207,7 +213,9 @@ class ModelRunner:
         TokenLogprobs of plan.prompt_rows (each None when there are none; both None on the other
         ranks)."""
         with region("prepare_inputs"):
-            tensors = self.stager.upload_plan(plan, self.backend.host_arrays(plan))
+            tensors = self.stager.upload_plan(plan, self.backend.host_arrays(plan) | LoRAManager.host_arrays(plan.lora))
+            if self.lora:
+                self.lora.begin_step(plan.lora, tensors)
             meta = self.backend.build_metadata(plan, tensors)
             graph_bs = self.graph_runner.batch_size_for(meta) if self.graph_runner else None
             pending = tensors.get("pending") if plan.input_ids is not None and len(plan.pending) else None
@@ -279,6 +287,8 @@ class ModelRunner:
         """Forget the last launched step (after its requests were aborted)."""
         self._prev_rows, self._prev_sampled = {}, None
         self.token_counts.rows = {}
+        if self.lora:
+            self.lora.forget_slots()
 
     def synchronize(self):
         if self.device.type == "cuda" and not (self.workers and self.workers.broken):

@@ -29,6 +29,7 @@ class StepPlan:
     # tensor parallelism: each rank draws from its vocabulary shard (ModelRunner._sample_shards) rather
     # than rank 0 from gathered logits; rank 0 decides, for steps whose rows only scale by temperature
     sample_shards: bool = False
+    lora: object = None  # the step's LoRA adapters (engine/lora_manager.py LoRAStep), or None
 
     INT32 = ("cu_seqlens_q", "context_lens", "block_tables")  # the rest go up as int64
 

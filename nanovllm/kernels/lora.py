@@ -90,18 +90,19 @@ def _slice(sl, block, N, S1, S2, BLOCK_N: tl.constexpr):
     return lo + block * BLOCK_N, tl.where(sl == 0, S1, tl.where(sl == 1, S2, N))
 
 
-@triton.jit
-def lora_shrink_kernel(x_ptr, x_stride, norm_ptr, eps, a_ptr, rows_ptr, tiles_ptr, s_ptr, num_pos, K, SR,
-                       NORM: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """Grid (num_tiles, SPLIT_K): program (t, k) writes s[k, pos, :SR] (s: [SPLIT_K, num_pos, SR]
-    float32) for tile t's positions: the k-th of SPLIT_K slices of K (whole BLOCK_K steps) of
+# the adapter rows and the split of K change from step to step: kept out of Triton's specialisation
+@triton.jit(do_not_specialize=["num_pos", "split_k"])
+def lora_shrink_kernel(x_ptr, x_stride, norm_ptr, eps, a_ptr, rows_ptr, tiles_ptr, s_ptr, num_pos, K, SR, split_k,
+                       NORM: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """Grid (num_tiles, split_k): program (t, k) writes s[k, pos, :SR] (s: [split_k, num_pos, SR]
+    float32) for tile t's positions: the k-th of split_k slices of K (whole BLOCK_K steps) of
     a(x) A_slot^T, all of the slot's SR = S * R rows of A at once."""
     tile, split = tl.program_id(0), tl.program_id(1)
     pdl_start(PDL)
     slot, pos, live, rows = _tile(tiles_ptr, rows_ptr, tile, BLOCK_M)
     if slot >= 0:
-        k_len = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_len = tl.cdiv(tl.cdiv(K, split_k), BLOCK_K) * BLOCK_K
         k_lo = split * k_len
         r = tl.arange(0, BLOCK_R)
         acc = _shrink(x_ptr, x_stride, norm_ptr, eps, a_ptr + slot.to(tl.int64) * SR * K, rows, live, k_lo,
@@ -110,12 +111,12 @@ def lora_shrink_kernel(x_ptr, x_stride, norm_ptr, eps, a_ptr, rows_ptr, tiles_pt
                  mask=live[:, None] & (r[None, :] < SR))
 
 
-@triton.jit
-def lora_expand_kernel(s_ptr, b_ptr, y_ptr, y_stride, rows_ptr, tiles_ptr, num_pos, N, S1, S2, R, SR,
-                       SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PRECISION: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["num_pos", "split_k"])
+def lora_expand_kernel(s_ptr, b_ptr, y_ptr, y_stride, rows_ptr, tiles_ptr, num_pos, N, S1, S2, R, SR, split_k,
+                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                       PDL: tl.constexpr):
     """Grid (num_tiles, cdiv(widest slice, BLOCK_N), num_slices): program (t, j, sl) adds to tile
-    t's rows of y their s (summed over the SPLIT_K partials) of slice sl times B's rows of that
+    t's rows of y their s (summed over the split_k partials) of slice sl times B's rows of that
     slice's j-th block of BLOCK_N output columns."""
     tile, block, sl = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pdl_start(PDL)
@@ -128,7 +129,7 @@ def lora_expand_kernel(s_ptr, b_ptr, y_ptr, y_stride, rows_ptr, tiles_ptr, num_p
         s_ptrs = s_ptr + pos[:, None] * SR + sl * R + r[None, :]
         s_mask = live[:, None] & r_live[None, :]
         s = tl.load(s_ptrs, mask=s_mask, other=0.0)
-        for k in tl.static_range(1, SPLIT_K):
+        for k in range(1, split_k):
             s += tl.load(s_ptrs + k * num_pos * SR, mask=s_mask, other=0.0)
         _expand(s, b_ptr + slot.to(tl.int64) * N * R, y_ptr, y_stride, rows, live, cols, cols < hi, R, r, r_live,
                 PRECISION)
@@ -181,12 +182,13 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, rows: torch.Tensor, tiles
     the step's mapping (module docstring); norm: (weight [K], eps) of the RMSNorm before the product."""
     k, norm_weight, eps, block_k, precision, launch = _common(x, lora_a, norm, gated)
     sr, num_tiles = lora_a.size(1), tiles.size(0)
+    # K split until ~64 programs run: a decode step's few tiles alone would leave most SMs idle
     split_k = max(1, min(MAX_SPLIT_K, triton.cdiv(k, block_k), 64 // max(num_tiles, 1)))
     s = torch.empty(split_k, rows.numel(), sr, dtype=torch.float32, device=x.device)
     if num_tiles:
         lora_shrink_kernel[(num_tiles, split_k)](
-            x, x.stride(0), norm_weight, eps, lora_a, rows, tiles, s, rows.numel(), k, sr, NORM=norm is not None,
-            GATED=gated, SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_R=_rank_block(sr), BLOCK_K=block_k,
+            x, x.stride(0), norm_weight, eps, lora_a, rows, tiles, s, rows.numel(), k, sr, split_k,
+            NORM=norm is not None, GATED=gated, BLOCK_M=block_m, BLOCK_R=_rank_block(sr), BLOCK_K=block_k,
             PRECISION=precision, num_warps=4, **launch)
     return s
 
@@ -203,7 +205,7 @@ def lora_expand(y: torch.Tensor, s: torch.Tensor, lora_b: torch.Tensor, rows: to
     if tiles.size(0):
         fp32 = s.dtype == lora_b.dtype
         lora_expand_kernel[(tiles.size(0), triton.cdiv(widest, EXPAND_BLOCK_N), slices)](
-            s, lora_b, y, y.stride(0), rows, tiles, rows.numel(), n, s1, s2, rank, s.size(2), SPLIT_K=s.size(0),
+            s, lora_b, y, y.stride(0), rows, tiles, rows.numel(), n, s1, s2, rank, s.size(2), s.size(0),
             BLOCK_M=block_m, BLOCK_R=_rank_block(rank), BLOCK_N=EXPAND_BLOCK_N, PRECISION="ieee" if fp32 else "tf32",
             num_warps=4, **pdl_args(y.device))
     return y

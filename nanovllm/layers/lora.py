@@ -117,7 +117,7 @@ class LoRAContext:
     def init_graph_state(self, max_num_seqs: int, device: torch.device):
         """Allocate the static mapping of decode graphs of up to max_num_seqs rows."""
         self.graph_tiles = tile_slots(max_num_seqs, self.max_loras)
-        self.graph_index = torch.zeros(3 * self.graph_tiles + max_num_seqs, dtype=torch.int32, device=device)
+        self.graph_index = torch.full((3 * self.graph_tiles + max_num_seqs,), -1, dtype=torch.int32, device=device)
 
     def graph_variants(self, batch_size: int) -> list[frozenset | None]:
         """The graphs to capture for a batch size, by the kinds of layers they add deltas to: None
@@ -196,7 +196,7 @@ def lora_reference(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
         if norm is not None:
             a = rms_norm(a, None, *norm)[0]
         s = (a.float() @ lora_a[slot].float().T).to(lora_b.dtype).float()
-        for j, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-            delta = s[:, j * rank:(j + 1) * rank] @ lora_b[slot, lo:hi].float().T
-            y[index, lo:hi] = (y[index, lo:hi].float() + delta).to(y.dtype)
+        delta = torch.cat([s[:, j * rank:(j + 1) * rank] @ lora_b[slot, lo:hi].float().T
+                           for j, (lo, hi) in enumerate(zip(bounds, bounds[1:]))], 1)
+        y[index] = (y[index].float() + delta).to(y.dtype)
     return y
