@@ -60,16 +60,23 @@ def add_lora_weights(layer: LinearBase, kind: str, max_loras: int, max_rank: int
 
 
 def tile_slots(num_rows: int, max_loras: int, block_m: int = GRAPH_BLOCK_M) -> int:
-    """The most tiles that num_rows rows of at most max_loras adapters split into."""
-    return -(-num_rows // block_m) + min(max_loras, num_rows)
+    """The most tiles that num_rows rows of at most max_loras adapters split into, rounded up to a
+    multiple of 4 (see lora_mapping)."""
+    return _round4(-(-num_rows // block_m) + min(max_loras, num_rows))
+
+
+def _round4(n: int) -> int:
+    return -(-n // 4) * 4
 
 
 def lora_mapping(token_slots: np.ndarray, block_m: int,
                  num_tiles: int | None = None) -> tuple[np.ndarray, int, np.ndarray]:
     """The mapping of a step whose token i runs adapter slot token_slots[i] (-1: none): (index,
     num_tiles, groups). index: int32 [3 * num_tiles + n], the tiles (slot, start, end) of at most
-    block_m rows each, padded with (-1, 0, 0) to num_tiles when given, then the n rows with an
-    adapter grouped by slot (in token order within a slot); groups: [g, 3] (slot, start, end)."""
+    block_m rows each, padded with (-1, 0, 0) to num_tiles when given, else to a multiple of 4 (so
+    that the rows, after them, start 16-byte aligned as the tiles do: Triton compiles a kernel anew
+    for a pointer that is not), then the n rows with an adapter grouped by slot (in token order
+    within a slot); groups: [g, 3] (slot, start, end)."""
     rows = np.flatnonzero(token_slots >= 0)
     rows = rows[np.argsort(token_slots[rows], kind="stable")]
     slots = token_slots[rows]
@@ -77,9 +84,9 @@ def lora_mapping(token_slots: np.ndarray, block_m: int,
     groups = np.stack([slots[starts], starts, np.append(starts[1:], len(rows))[:len(starts)]], 1)
     tiles = [(slot, s, min(s + block_m, end)) for slot, start, end in groups.tolist()
              for s in range(start, end, block_m)]
-    if num_tiles is not None:
-        assert len(tiles) <= num_tiles
-        tiles += [(-1, 0, 0)] * (num_tiles - len(tiles))
+    num_tiles = _round4(len(tiles)) if num_tiles is None else num_tiles
+    assert len(tiles) <= num_tiles and num_tiles % 4 == 0
+    tiles += [(-1, 0, 0)] * (num_tiles - len(tiles))
     index = np.concatenate([np.array(tiles, np.int32).reshape(-1), rows.astype(np.int32)])
     return index, len(tiles), groups
 
