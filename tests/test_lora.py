@@ -4,7 +4,6 @@ with base rows; the prefix cache keeps adapters apart; adapters evicted from the
 the host cache come back the same; tensor parallelism; bad adapters are refused before any work,
 and the engine keeps serving."""
 import pytest
-import torch
 
 from nanovllm import LLM, LoRARequest, SamplingParams
 from nanovllm.engine.block_manager import BlockManager
