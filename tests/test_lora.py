@@ -77,7 +77,13 @@ def test_triton_kernels_through_the_engine(tiny):
     llm = LLM(path, attention_backend="triton", **{**ARGS, "max_num_batched_tokens": 256})
     manager, block_ms = llm.engine.model_runner.lora, set()
     plan = manager.plan
-    manager.plan = lambda *args: (step := plan(*args)) and block_ms.add(step.block_m) or step
+
+    def recording_plan(scheduled, is_decode):
+        step = plan(scheduled, is_decode)
+        if step is not None:
+            block_ms.add(step.block_m)
+        return step
+    manager.plan = recording_plan
     prompts = workload()[:4]
     loras = [requests["all"], None, requests["qv"], requests["attn"]]
     assert completions(llm, prompts, loras) == [expected[m][i] for i, m in enumerate(["all", None, "qv", "attn"])]
@@ -111,7 +117,8 @@ def test_evicted_adapters_come_back_the_same(tiny):
     def recording_plan(scheduled, is_decode):
         step = plan(scheduled, is_decode)
         assert len({seq.lora_int_id for seq, _ in scheduled} - {0}) <= 1
-        loads.extend(request.lora_name for _, request in step.loads) if step else None
+        if step is not None:
+            loads.extend(request.lora_name for _, request in step.loads)
         return step
     manager.plan = recording_plan
     prompts = workload()
