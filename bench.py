@@ -1,14 +1,17 @@
 """Throughput benchmark: nano-vllm's workload (see README), reported against the roofline floor.
+Needs a CUDA GPU (without one it exits at once).
 
 Default: 256 sequences, prompts of randint(100, 1024) random token ids, max_tokens randint(100, 1024),
 temperature 0.6 (--temperature, --top-p, --top-k, --min-p, --presence-penalty, --logprobs, --n change the
-sampling; --n 8 takes 256 / 8 prompts with 8 completions each), ignore_eos, on Qwen3-0.6B with random
-weights (the work done does not depend on the weight values). Throughput = output tokens / wall time
-of one generate call after a warm-up. --latency: one sequence, a 128-token prompt and 512 greedy
-tokens, reported in ms per token. --kv-cache-dtype fp8: a float8 KV cache (the floor counts its
-bytes: one per value and a 4-byte scale per head vector). --quantization fp8: float8 weights in
-the linear layers (the floor counts one byte per weight, and the float8 GEMM's measured rate for
-every FLOP). The time LLM(...) takes to start is printed too, and the KV cache's size in tokens.
+sampling; --logprobs 5 returns lists of {token id: Logprob} dicts as vLLM does, with --flat-logprobs
+FlatLogprobs whose dicts are made when read; --n 8 takes 256 / 8 prompts with 8 completions each),
+ignore_eos, on Qwen3-0.6B with random weights (the work done does not depend on the weight values).
+Throughput = output tokens / wall time of one generate call after a warm-up. --latency: one
+sequence, a 128-token prompt and 512 greedy tokens, reported in ms per token. --kv-cache-dtype fp8:
+a float8 KV cache (the floor counts its bytes: one per value and a 4-byte scale per head vector).
+--quantization fp8: float8 weights in the linear layers (the floor counts one byte per weight, and
+the float8 GEMM's measured rate for every FLOP). The time LLM(...) takes to start is printed too,
+and the KV cache's size in tokens.
 --lora N --lora-rank R: N random PEFT LoRA adapters of rank R (on the --lora-targets projections,
 default all seven) written to a temporary directory, prompt i running adapter i % N; the engine
 gets enable_lora=True, max_loras=N, max_lora_rank=R (the floor is the base model's: compare
@@ -18,17 +21,18 @@ The floor is a roofline lower bound (floor_seconds): per step of an ideal schedu
 the bytes it must move (weights, KV read and written) at the measured device-to-device bandwidth
 and its FLOPs (matmuls and attention) at the measured bf16 matmul rate, summed over one prefill
 step and the decode steps; one GPU's bandwidth and rate, measured on the first, for every GPU used.
+Mixture-of-experts models (--model qwen3-30b-a3b, Qwen3-30B-A3B's config) count, per step, the
+expert weights of the distinct experts its tokens touch under uniform routing (random weights
+route near-uniformly), and each token's top-k experts' FLOPs.
 """
 import argparse
 import json
 import os
 import time
 from random import randint, seed
+from typing import NamedTuple
 
 import torch
-
-from nanovllm.loader.source import read_hf_config, resolve_path
-from nanovllm.models.registry import model_class
 
 
 def measure_bandwidth(device) -> float:
@@ -79,54 +83,93 @@ def workload(args):
 
 def floor_seconds(hf_config, weights, prompts, max_tokens, kv_cache_dtype, bandwidth, flops, tp=1, replicas=1, n=1):
     """Roofline lower bound in seconds: per step the larger of bytes / bandwidth and FLOPs / matmul
-    rate, summed over the steps of an ideal schedule. weights: (bytes, matmul parameters, LM head
-    parameters) as weights_read_per_step gives them. One prefill step holds every prompt (weights
-    read once, the prompts' KV written; 2 FLOPs per weight per token, the LM head's for one token
-    per prompt, whose logits alone are needed, plus causal attention), then
+    rate, summed over the steps of an ideal schedule. weights: weights_read_per_step's StepWeights.
+    One prefill step holds every prompt (weights read once, the prompts' KV written; 2 FLOPs per
+    weight per token, the LM head's for one token per prompt, whose logits alone are needed, plus
+    causal attention), then
     decode step t = 1 .. max(max_tokens) - 1 runs every completion that still has a token to make
     (weights read, each completion's KV read, one token's KV written; 2 FLOPs per weight per token
     plus attention over its context). n completions per prompt each read their prompt's KV, which
     is written and computed once. Each data-parallel replica reads the weights and takes 1 /
     replicas of every step's tokens; tensor parallelism splits a replica's bytes and FLOPs over tp
-    GPUs. bandwidth (bytes/s) and flops (FLOP/s) are one GPU's. kv_cache_dtype: "auto" (bf16 K/V) or
-    an fp8 name (one byte per value and a float32 scale per head vector)."""
-    param_bytes, matmul_params, head_params = weights
+    GPUs. A mixture-of-experts model's step reads the experts its tokens touch (StepWeights.nbytes_for)
+    and multiplies each token by its top-k experts. bandwidth (bytes/s) and flops (FLOP/s) are one
+    GPU's. kv_cache_dtype: "auto" (bf16 K/V) or an fp8 name (one byte per value and a float32 scale
+    per head vector)."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     layers = hf_config.num_hidden_layers
     # bf16, or float8 with a float32 scale per head vector
     vector_bytes = 2 * head_dim if kv_cache_dtype == "auto" else head_dim + 4
     kv_per_token = 2 * layers * hf_config.num_key_value_heads * vector_bytes
     attention_flops = 4 * layers * hf_config.num_attention_heads * head_dim  # QK^T and PV per (query, key) pair
+    matmul_params, head_params = weights.matmul_params, weights.head_params
 
-    def step(kv_bytes, flop):
+    def step(tokens, kv_bytes, flop):
+        param_bytes = weights.nbytes_for(tokens / replicas)
         return max((param_bytes + kv_bytes / replicas) / (tp * bandwidth), flop / (replicas * tp * flops))
 
     lens = [len(p) for p in prompts]
-    total = step(sum(lens) * kv_per_token, 2 * (matmul_params - head_params) * sum(lens) + 2 * head_params * len(lens)
+    total = step(sum(lens), sum(lens) * kv_per_token,
+                 2 * (matmul_params - head_params) * sum(lens) + 2 * head_params * len(lens)
                  + attention_flops * sum(m * (m + 1) // 2 for m in lens))
     for t in range(1, max(max_tokens)):
         live = [m for m, out in zip(lens, max_tokens) if out > t]
         batch, context = n * len(live), n * (sum(live) + t * len(live))  # tokens made, KV tokens attended
-        total += step((context + batch) * kv_per_token, 2 * matmul_params * batch + attention_flops * context)
+        total += step(batch, (context + batch) * kv_per_token, 2 * matmul_params * batch + attention_flops * context)
     return total
 
 
-def weights_read_per_step(hf_config, quantization: str | None = None) -> tuple[int, int, int]:
-    """(bytes, matmul parameters, LM head parameters) of the weights a forward reads in full: all
-    but an untied input embedding, of which a step gathers a few rows (a tied one is the LM head);
-    bf16, or with quantization="fp8" the linear layers' weights one byte each plus a float32 scale
-    per row."""
+class StepWeights(NamedTuple):
+    """The weights a forward reads and multiplies. nbytes: those every step reads in full (all but
+    the experts and an untied input embedding, of which a step gathers a few rows; a tied one is
+    the LM head); matmul_params: the parameters each token multiplies (of a mixture-of-experts
+    layer, its top_k experts'); head_params: the LM head's; expert_bytes: one expert's weights in
+    one sparse layer; moe_layers, num_experts, top_k: the sparse layers and their routing."""
+    nbytes: int
+    matmul_params: int
+    head_params: int
+    expert_bytes: int = 0
+    moe_layers: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+
+    def experts_touched(self, tokens: float) -> float:
+        """The distinct experts a step of `tokens` tokens hits in one sparse layer, expected under
+        uniform routing (each token a uniform k-subset of E): E (1 - (1 - k / E)^tokens)."""
+        return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** tokens) if self.moe_layers else 0.0
+
+    def nbytes_for(self, tokens: float) -> float:
+        """The bytes a step of `tokens` tokens reads: nbytes and, per sparse layer, its touched experts'."""
+        return self.nbytes + self.moe_layers * self.experts_touched(tokens) * self.expert_bytes
+
+
+def weights_read_per_step(hf_config, quantization: str | None = None) -> StepWeights:
+    """StepWeights of the model: bf16, or with quantization="fp8" the weights of its float8 layers
+    (linear layers but the routers, and experts) one byte each plus a float32 scale per output row."""
+    from nanovllm.distributed.state import TensorParallel
+    from nanovllm.layers.fused_moe import FusedMoE
     from nanovllm.layers.linear import LinearBase
+    from nanovllm.layers.linear_method import linear_method
+    from nanovllm.models.registry import model_class
     with torch.device("meta"):
-        model = model_class(hf_config)(hf_config)
+        model = model_class(hf_config)(hf_config, TensorParallel(), None, linear_method(quantization))
     skip = set() if model.tie_word_embeddings else {id(model.model.embed_tokens.weight)}
-    if quantization == "fp8":
-        fp8 = {id(m.weight): m.weight.size(0) for m in model.modules() if isinstance(m, LinearBase)}
-    else:
-        fp8 = {}
+    fp8 = quantization == "fp8"
+    rows = {id(m.weight): m.weight.size(0) for m in model.modules() if isinstance(m, LinearBase)
+            and m.quant_method.quantization == "fp8"}  # float8 weight -> its scales
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    skip |= {id(p) for m in experts for p in (m.w13_weight, m.w2_weight)}
     params = [t for t in {id(t): t for t in model.parameters()}.values() if id(t) not in skip]
-    nbytes = sum(t.numel() + 4 * fp8[id(t)] if id(t) in fp8 else 2 * t.numel() for t in params)
-    return nbytes, sum(t.numel() for t in params if t.dim() == 2), model.lm_head.weight.numel()
+    nbytes = sum(t.numel() + 4 * rows[id(t)] if id(t) in rows else 2 * t.numel() for t in params)
+    matmul_params = sum(t.numel() for t in params if t.dim() == 2)
+    if not experts:
+        return StepWeights(nbytes, matmul_params, model.lm_head.weight.numel())
+    moe = experts[0]
+    per_expert = (moe.w13_weight.numel() + moe.w2_weight.numel()) // moe.num_experts
+    scale_rows = moe.w13_weight.size(1) + moe.w2_weight.size(1)
+    expert_bytes = per_expert + 4 * scale_rows if fp8 else 2 * per_expert
+    return StepWeights(nbytes, matmul_params + len(experts) * moe.top_k * per_expert, model.lm_head.weight.numel(),
+                       expert_bytes, len(experts), moe.num_experts, moe.top_k)
 
 
 def random_adapters(args, root: str) -> list:
@@ -135,6 +178,7 @@ def random_adapters(args, root: str) -> list:
     from safetensors.torch import save_file
     from nanovllm import LoRARequest
     from nanovllm.loader.lora import PREFIX, lora_targets
+    from nanovllm.loader.source import read_hf_config, resolve_path
     targets = lora_targets(read_hf_config(*resolve_path(args.model, args.load_format)))
     requests = []
     for i in range(args.lora):
@@ -179,7 +223,8 @@ def run_nanovllm(args, prompts, max_tokens):
               f"{runner.num_kvcache_blocks * runner.block_size} tokens in {runner.kv_spec.dtype}"
               + (f" (and a {staging / 2**20:.0f} MiB staging area for prefill attention)" if staging else ""))
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                    presence_penalty=args.presence_penalty, logprobs=args.logprobs, ignore_eos=True)
+                    presence_penalty=args.presence_penalty, logprobs=args.logprobs, flat_logprobs=args.flat_logprobs,
+                    ignore_eos=True)
     params = [SamplingParams(n=args.n, max_tokens=m, **sampling) for m in max_tokens]
     # the warm-up generate: a short prompt (as nano-vllm's bench) for each data-parallel replica (the
     # router gives equal prompts to the least loaded one), or --warmup-seqs of the workload's prompts
@@ -269,6 +314,8 @@ def run_transformers(args, prompts, max_tokens):
     --hf-batch-size prompts, left-padded, sampling to the batch's largest max_tokens; only the
     requested tokens of each sequence are counted."""
     from transformers import AutoModelForCausalLM
+
+    from nanovllm.loader.source import read_hf_config, resolve_path
     config = read_hf_config(*resolve_path(args.model, args.load_format))
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
@@ -320,6 +367,8 @@ def main():
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--logprobs", type=int, default=None, help="return this many top logprobs per token")
+    p.add_argument("--flat-logprobs", action="store_true",
+                   help="logprobs as FlatLogprobs (dicts made when read), not lists of dicts (vLLM's default)")
     p.add_argument("--n", type=int, default=1, help="completions per prompt (--num-seqs / n prompts)")
     p.add_argument("--profile", metavar="DIR", help="write a torch profiler Chrome trace of a few steps to DIR")
     p.add_argument("--profile-skip", type=int, default=40, help="steps run before the profiled ones")
@@ -343,8 +392,9 @@ def main():
         p.error("--n, --kv-cache-dtype, --quantization and --lora are for --engine nanovllm")
     if args.data_parallel_size > 1 and (args.profile or args.step_stats):
         p.error("--profile and --step-stats look inside one engine: use them with --data-parallel-size 1")
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available():  # before nanovllm's imports (transformers' among them): at once
         raise SystemExit("bench.py measures GPU throughput and needs a CUDA device")
+    from nanovllm.loader.source import read_hf_config, resolve_path
 
     prompts, max_tokens = workload(args)
     prompts, max_tokens = prompts[:len(prompts) // args.n], max_tokens[:len(prompts) // args.n]  # n samples each
@@ -354,9 +404,15 @@ def main():
     seconds, details = run(args, prompts, max_tokens)
     hf_config = read_hf_config(*resolve_path(args.model, args.load_format))
     num_gpus = args.tensor_parallel_size * args.data_parallel_size
-    floor = floor_seconds(hf_config, weights_read_per_step(hf_config, args.quantization), prompts, max_tokens,
-                          args.kv_cache_dtype, bandwidth, flops, args.tensor_parallel_size, args.data_parallel_size,
-                          args.n)
+    weights = weights_read_per_step(hf_config, args.quantization)
+    floor = floor_seconds(hf_config, weights, prompts, max_tokens, args.kv_cache_dtype, bandwidth, flops,
+                          args.tensor_parallel_size, args.data_parallel_size, args.n)
+    if weights.moe_layers:
+        details["experts_touched"] = {b: round(weights.experts_touched(b), 1) for b in (1, 8, 64, 256)}
+        print(f"experts: the floor reads, per sparse layer and step of B tokens, the E(1 - (1 - k/E)^B) distinct "
+              f"experts that uniform routing touches (E = {weights.num_experts}, k = {weights.top_k}; B = 1, 8, 64, "
+              f"256: {', '.join(str(v) for v in details['experts_touched'].values())}); random weights route "
+              f"near-uniformly, a trained model's skewed routing touches fewer")
     output_tokens = args.n * sum(max_tokens)
     result = {
         "engine": args.engine, "model": args.model, "device": torch.cuda.get_device_name(),

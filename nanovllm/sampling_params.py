@@ -20,8 +20,9 @@ class SamplingParams:
 
     n: independent completions of the prompt (the prompt is prefilled once).
     temperature: 0 is greedy (argmax); otherwise logits are divided by it.
-    top_k: keep the k most likely tokens (0 or -1: all). top_p: keep the smallest set whose
-    probability reaches top_p, in (0, 1]. min_p: drop tokens below min_p times the top one's, in [0, 1].
+    top_k: keep the k most likely tokens (0, -1, or the vocabulary's size or more: all). top_p: keep
+    the smallest set whose probability reaches top_p, in (0, 1]. min_p: drop tokens below min_p
+    times the top one's, in [0, 1].
     presence_penalty, frequency_penalty: in [-2, 2], subtracted from the logit of every token the
     completion holds, once / per occurrence (OpenAI's definition).
     repetition_penalty: > 0; logits of tokens in the prompt or completion are divided by it when
@@ -33,13 +34,19 @@ class SamplingParams:
     max_tokens: most completion tokens (None: up to max_model_len). min_tokens: EOS and
     stop_token_ids are masked (and stop strings ignored) until this many were generated.
     logprobs: return the log-probabilities of the sampled token and this many top tokens per step.
-    prompt_logprobs: likewise for each prompt token. detokenize: produce text.
+    prompt_logprobs: likewise for each prompt token. flat_logprobs: return them as a FlatLogprobs
+    sequence whose {token id: Logprob} dicts are made when read (cheaper when few are read), not
+    as a list of dicts. detokenize: produce text.
     skip_special_tokens, spaces_between_special_tokens: how text is decoded (as transformers' decode).
     logit_bias: {token id: bias added to its logit}. allowed_token_ids: only these may be sampled.
     bad_words: words never generated (each token sequence of the word, with and without a leading
     space, is blocked at its last token).
     truncate_prompt_tokens: keep only the prompt's last k tokens (-1: the last max_model_len).
     output_kind: what LLMEngine.step reports of unfinished requests (LLM.generate sets FINAL_ONLY).
+    extra_args: arguments for custom logits processors (nanovllm/sampling/processors), which read
+    them in their applies() and prepare(); no built-in one does.
+    best_of (beyond n), use_beam_search, guided_decoding, structured_outputs: vLLM's, not supported
+    here (NotImplementedError, with what to use instead).
     """
     n: int = 1
     presence_penalty: float = 0.0
@@ -58,6 +65,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    flat_logprobs: bool = False
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -66,9 +74,15 @@ class SamplingParams:
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    extra_args: dict | None = None
+    # vLLM's, for what nanovllm does not do: validate() raises NotImplementedError when one is used
+    best_of: int | None = field(default=None, repr=False, compare=False)
+    use_beam_search: bool = field(default=False, repr=False, compare=False)
+    guided_decoding: object = field(default=None, repr=False, compare=False)
+    structured_outputs: object = field(default=None, repr=False, compare=False)
     # derived by validate(): `stop` as a tuple, whether a penalty applies, and whether anything but
-    # temperature and the filters shapes the logits (penalties, logit_bias, banned or allowed
-    # tokens, min_tokens)
+    # temperature and the filters may shape the logits (penalties, logit_bias, banned or allowed
+    # tokens, min_tokens, extra_args for a custom processor): the logits processors look only at those
     stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
     has_penalties: bool = field(init=False, repr=False, compare=False, default=False)
     needs_processing: bool = field(init=False, repr=False, compare=False, default=False)
@@ -81,8 +95,11 @@ class SamplingParams:
         return copy.deepcopy(self)
 
     def validate(self):
-        """Raise ValueError naming the first field that is wrong and what it allows. Checks that
-        need the model (token ids inside its vocabulary) are the engine's (Processor)."""
+        """Raise ValueError naming the first field that is wrong and what it allows, NotImplementedError
+        for a vLLM feature nanovllm lacks (best_of > n, use_beam_search, guided_decoding or
+        structured_outputs). Checks that need the model (token ids inside its vocabulary) are the
+        engine's (Processor)."""
+        self._unsupported()
         _int(self, "n", 1)
         _real(self, "presence_penalty", -2, 2)
         _real(self, "frequency_penalty", -2, 2)
@@ -102,7 +119,7 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, Integral) or isinstance(k, bool) or not (k == -1 or k >= 1)):
             raise ValueError(f"truncate_prompt_tokens must be None, -1 (max_model_len) or an integer >= 1, got {k!r}")
-        for name in ("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens",
+        for name in ("include_stop_str_in_output", "ignore_eos", "flat_logprobs", "detokenize", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -126,9 +143,23 @@ class SamplingParams:
             raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}")
         self.has_penalties = bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
         self.needs_processing = bool(self.has_penalties or self.logit_bias or self.bad_words or self.allowed_token_ids is not None
-                                     or self.min_tokens)
+                                     or self.min_tokens or self.extra_args is not None)
+
+    def _unsupported(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise NotImplementedError(f"best_of={self.best_of} is not supported: ask for n={self.best_of} completions with logprobs=0 and keep the one of "
+                                      f"highest cumulative_logprob")
+        if self.use_beam_search:
+            raise NotImplementedError("beam search (use_beam_search) is not supported; sample n completions with "
+                                      "logprobs=0 and rank them by cumulative_logprob")
+        if self.guided_decoding is not None or self.structured_outputs is not None:
+            raise NotImplementedError("structured outputs (guided_decoding, structured_outputs: JSON schema, regex, "
+                                      "choice, grammar) are not supported; allowed_token_ids, logit_bias and "
+                                      "bad_words constrain tokens")
 
 
 def _is_id(t) -> bool:

@@ -320,3 +320,58 @@ def test_decode_kernel_with_the_new_token_inside(dtype, block_size, group, head_
                 a, b = ours.float().nan_to_num(7.0), theirs.float().nan_to_num(7.0)
                 assert torch.equal(a, b), (int((a != b).sum()), a[a != b][:4].tolist(), b[a != b][:4].tolist())
         assert torch.equal(q, q_before)  # q is read, not rotated in place
+
+
+def _uniform_meta(cached, q_len, tables, block_size):
+    """AttentionMetadata of a step of q_len new tokens after each sequence's `cached` tokens."""
+    positions = torch.cat([torch.arange(c, c + q_len) for c in cached]).to(DEVICE)
+    seq_of_token = torch.arange(len(cached), device=DEVICE).repeat_interleave(q_len)
+    slots = tables[seq_of_token, positions // block_size].long() * block_size + positions % block_size
+    cu_q = torch.arange(0, (len(cached) + 1) * q_len, q_len, dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(cached, dtype=torch.int32, device=DEVICE) + q_len
+    return AttentionMetadata(positions, slots, cu_q, lens, tables, q_len, q_len, len(cached) if q_len == 1 else 0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("q_len", [2, 3])
+def test_uniform_steps_of_several_tokens_through_the_backends(backend, q_len):
+    """A step of q_len new tokens for every sequence (a verify run: its last token and q_len - 1
+    drafts) through a backend's forward (rotary, K/V store, attention; the Triton backend's prefill
+    path): paged_attention_reference's attention over the cache as the step writes it, and the same
+    tokens run one at a time as decode steps give the same rows."""
+    from nanovllm.engine.kv_cache import KVCache
+    from nanovllm.layers.attention import Attention, make_backend
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    dtype, block_size, kv_heads, group, head_dim = ((torch.bfloat16, 16, 2, 4, 128) if CUDA
+                                                    else (torch.float32, 16, 2, 2, 16))
+    gen = torch.Generator().manual_seed(q_len)
+    cached = [5, 20, 0, 33] if not CUDA else [5, 700, 0, 1500, 64, 31]
+    k_cache, v_cache, tables, _ = make_cache([c + q_len for c in cached], block_size, kv_heads, head_dim, dtype, gen)
+    rope = RotaryEmbedding(_RopeCfg(), head_dim, 4096).to(DEVICE)
+    num_tokens, heads = len(cached) * q_len, kv_heads * group
+    q, k, v = (torch.randn(num_tokens, h * head_dim, generator=gen).to(DEVICE, dtype) for h in (heads, kv_heads, kv_heads))
+    meta = _uniform_meta(cached, q_len, tables, block_size)
+
+    def attention():  # the backend over its own copy of the cache
+        impl = make_backend(backend)
+        impl.bind_kv_cache(KVCache(torch.stack([k_cache, v_cache]).unsqueeze(1).clone(), None))
+        return impl, Attention(heads, head_dim, kv_heads, 0, rope, None, impl)
+
+    impl, layer = attention()
+    out = layer(q.clone(), k.clone(), v.clone(), meta).view(num_tokens, heads, head_dim)
+    q_ref, k_ref = rope(meta.positions, q.clone().view(num_tokens, heads, head_dim),
+                        k.clone().view(num_tokens, kv_heads, head_dim))
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    for cache, x in ((ref_k, k_ref), (ref_v, v.view(num_tokens, kv_heads, head_dim))):
+        cache.view(-1, kv_heads, head_dim)[meta.slot_mapping] = x
+    # K/V stored, K rotated (the Triton kernel rounds the rotation once, torch's rotary each product:
+    # they may differ by the dtype's rounding); stale slots NaN in both
+    for ours, theirs in ((impl.k_caches[0], ref_k), (impl.v_caches[0], ref_v)):
+        torch.testing.assert_close(ours, theirs, rtol=TOL[dtype], atol=TOL[dtype], equal_nan=True)
+    ref = paged_attention_reference(q_ref.float(), ref_k.float(), ref_v.float(), meta, head_dim ** -0.5)
+    assert rel_err(out, ref) < TOL[dtype]
+    impl, layer = attention()
+    rows = torch.arange(len(cached), device=DEVICE) * q_len
+    for i in range(q_len):  # token i of every sequence: one decode step
+        one = layer(q[rows + i], k[rows + i], v[rows + i], _uniform_meta([c + i for c in cached], 1, tables, block_size))
+        assert rel_err(one.view(-1, heads, head_dim), out[rows + i].float()) < TOL[dtype], i

@@ -71,6 +71,7 @@ def test_sampling_params_of_the_wrong_type(llm, tiny_qwen3):
     (dict(stop=[""]), "stop must be a non-empty string or a list of them"),
     (dict(logit_bias={1: float("inf")}), "logit_bias must map token ids to finite numbers"),
     (dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),
+    (dict(extra_args=["ban"]), "extra_args must be a dict or None"),
 ])
 def test_bad_sampling_params(llm, tiny_qwen3, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -78,8 +78,8 @@ def test_triton_kernels_through_the_engine(tiny):
     manager, block_ms = llm.engine.model_runner.lora, set()
     plan = manager.plan
 
-    def recording_plan(scheduled, is_decode):
-        step = plan(scheduled, is_decode)
+    def recording_plan(scheduled, graph_shape):
+        step = plan(scheduled, graph_shape)
         if step is not None:
             block_ms.add(step.block_m)
         return step
@@ -114,8 +114,8 @@ def test_evicted_adapters_come_back_the_same(tiny):
     manager, loads = llm.engine.model_runner.lora, []
     plan = manager.plan
 
-    def recording_plan(scheduled, is_decode):
-        step = plan(scheduled, is_decode)
+    def recording_plan(scheduled, graph_shape):
+        step = plan(scheduled, graph_shape)
         assert len({seq.lora_int_id for seq, _ in scheduled} - {0}) <= 1
         if step is not None:
             loads.extend(request.lora_name for _, request in step.loads)

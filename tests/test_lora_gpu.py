@@ -41,7 +41,7 @@ def test_tiny_matches_peft(tiny, enforce_eager):
     llm = LLM(path, max_num_seqs=32, enforce_eager=enforce_eager, **ARGS)
     context, variants = llm.engine.model_runner.lora.context, []
     write = context.write_graph_inputs
-    context.write_graph_inputs = lambda batch_size: variants.append(write(batch_size)) or variants[-1]
+    context.write_graph_inputs = lambda num_tokens: variants.append(write(num_tokens)) or variants[-1]
     kinds = {"qv": {"qkv_proj"}, "attn": {"qkv_proj", "o_proj"}, "all": set(context.all_kinds)}
     for name in NAMES:  # one sequence: graphs of batch size 1, the variant of the adapter's kinds
         variants.clear()

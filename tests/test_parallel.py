@@ -85,7 +85,8 @@ def test_data_parallel_matches_one_replica(tiny_qwen3):
         llm.generate([[1, 2], []], GREEDY)
     assert llm.reset_prefix_cache()
     procs = llm.engine.procs
-    del llm, engine, dispatch, send
+    del llm, dispatch
+    engine = send = None  # the closure's names: released, as the engine must be for its replicas to exit
     gc.collect()
     assert all(p.exitcode == 0 for p in procs)
 
@@ -94,6 +95,7 @@ def test_router_balances_kv_reads():
     """Requests go to the replica with the least outstanding KV reads, largest first: a short prompt
     with a long output outweighs a long prompt with a short one (their prompt + max_tokens are equal)."""
     from nanovllm.config import Config
+    from nanovllm.engine_args import EngineArgs
     from nanovllm.executor.replica_router import ReplicaRouter
 
     class Recording(ReplicaRouter):  # the transport is all that is left out
@@ -103,7 +105,7 @@ def test_router_balances_kv_reads():
             sent[i] += [request_id for request_id, *_ in batch]
 
     sent = {0: [], 1: []}
-    router = Recording(Config.create("Qwen/Qwen3-0.6B", load_format="dummy", device="cpu"), 2)
+    router = Recording(Config.create(EngineArgs("Qwen/Qwen3-0.6B", load_format="dummy", device="cpu")), 2)
     for request_id, prompt_len, max_tokens in [("long prompt", 1000, 10), ("long output", 10, 1000), ("middle", 500, 500)]:
         router.add_request(request_id, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
     router._dispatch()

@@ -179,7 +179,7 @@ def test_vocabulary_shards_draw_the_whole_rows_token(path):
     """Tensor parallelism's draw: the candidates of each vocabulary shard (the last one padded
     with columns that must not count), merged by first_max, are the Gumbel-max draw over whole
     rows: the same noise per token id, greedy rows' first maximum across shards."""
-    from nanovllm.sampling.sampler import first_max, shard_candidates
+    from nanovllm.sampling.tp_shards import first_max, shard_candidates
     if path == "kernel":
         pytest.importorskip("triton")
         from nanovllm.kernels.sampling import gumbel_max_candidates as candidates, gumbel_max_sample
@@ -271,7 +271,7 @@ def test_logsumexp_and_rank_kernel(dtype):
     """The one-pass logprob kernel (Triton's interpreter without CUDA) against float32 torch, on a
     vocabulary of several chunks with a ragged end, -inf entries and ties with the token's logit."""
     pytest.importorskip("triton")
-    from nanovllm.kernels.sampling import logsumexp_and_rank
+    from nanovllm.kernels.logits_stats import logsumexp_and_rank
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = (torch.randn(3, 17001, generator=torch.Generator().manual_seed(9)) * 4).to(device, dtype)
     x[0, :9000] = float("-inf")  # a whole chunk of -inf and part of the next
@@ -292,7 +292,7 @@ def test_chunked_topk_kernel(k, vocab):
     threshold from the chunk maxima), a last chunk shorter than k, ties at the top across chunks,
     a row mostly -inf, and a bf16 row."""
     pytest.importorskip("triton")
-    from nanovllm.kernels.sampling import chunked_topk
+    from nanovllm.kernels.logits_stats import chunked_topk
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.randn(4, vocab, generator=torch.Generator().manual_seed(k)) * 3
     x[1, 100:110] = x[1, 3000:3005] = x[1, 4100] = 9.0  # 16 equal maxima over three chunks
@@ -345,27 +345,26 @@ def test_nucleus_kernel_draws_what_the_sorted_path_draws():
 
 
 def test_penalty_kernel_equals_the_torch_penalties():
-    """The one-pass penalty kernel (Triton's interpreter without CUDA) against apply_penalties in
+    """The one-pass penalty kernel (Triton's interpreter without CUDA) against the penalties in
     torch, on a vocabulary of two blocks (the last partial), with and without the prompt mask,
-    counts read through count_rows, and a row without penalties left bit for bit."""
+    counts read through count_rows, on three of four rows: the fourth left bit for bit."""
     pytest.importorskip("triton")
-    from nanovllm.sampling.logits_processors import apply_penalties
     from nanovllm.kernels.penalty import apply_penalties_kernel
+    from nanovllm.sampling.processors.penalties import PenaltyState, apply_penalties
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(11)
     vocab = 5001
     x = torch.randn(4, vocab, generator=g) * 3
     counts = torch.randint(0, 4, (5, vocab), generator=g, dtype=torch.int32) * (torch.rand(5, vocab, generator=g) < 0.1)
     prompt_mask = torch.rand(5, vocab, generator=g) < 0.05
-    penalties = (torch.tensor([1.5, 0.0, -0.5, 0.0]), torch.tensor([0.5, 0.0, 1.0, 0.0]), torch.tensor([1.0, 1.3, 0.7, 1.0]))
+    rows, count_rows = torch.tensor([3, 0, 2]), torch.tensor([2, 4, 1])
+    penalties = (torch.tensor([1.5, 0.0, -0.5]), torch.tensor([0.5, 0.0, 1.0]), torch.tensor([1.0, 1.3, 0.7]))
     for mask in (None, prompt_mask):
-        st = SamplingTensors(penalties=penalties, token_counts=counts, count_rows=torch.tensor([2, 4, 1, 0]),
-                             prompt_mask=mask)
         ref = x.clone()
-        apply_penalties(ref, st)
-        st_dev = SamplingTensors(penalties=tuple(p.to(device) for p in penalties), token_counts=counts.to(device),
-                                 count_rows=st.count_rows.to(device), prompt_mask=None if mask is None else mask.to(device))
+        apply_penalties(ref, PenaltyState(rows, count_rows, counts, mask, *penalties))
         out = x.clone().to(device)
-        apply_penalties_kernel(out, st_dev)
+        apply_penalties_kernel(out, *(t if t is None else t.to(device)
+                                      for t in (rows, counts, mask, count_rows, *penalties)))
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-6, atol=1e-6)
-        assert torch.equal(out[3].cpu(), x[3]) and not torch.equal(ref[:3], x[:3])
+        assert torch.equal(out[1].cpu(), x[1]) and torch.equal(ref[1], x[1])
+        assert all(not torch.equal(ref[r], x[r]) for r in rows)

@@ -11,8 +11,11 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from nanovllm import LLM, LLMEngine, SamplingParams
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from nanovllm.sampling.sampler import Sampler, SamplingTensors
+from nanovllm.sampling.inputs import sampling_tensors
+from nanovllm.sampling.processors.bad_words import BadWords
+from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling_params import RequestOutputKind
+from nanovllm.sequence import PLACEHOLDER, Sequence
 from tests.conftest import hf_greedy, random_prompts
 
 ARGS = dict(device="cpu", kvcache_block_size=16, max_model_len=128)
@@ -130,11 +133,18 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm, tiny_qwen3):
 
 
 def test_bad_words_of_several_tokens_are_blocked_at_their_last_token():
-    x = torch.zeros(2, 10)
+    """A word's last token is banned in the rows whose completion ends with the rest of it, also
+    where that completion's last token is still on the device (PLACEHOLDER), and where another
+    word ending in the same token does not match."""
+    x = torch.zeros(4, 10)
     x[:, 4] = 5.0  # token 4 is the argmax
-    st = SamplingTensors(output_ids=torch.tensor([[10, 1, 2], [10, 2, 1]]),
-                         banned_after=(torch.tensor([0, 1]), torch.tensor([[1, 2], [1, 2]]), torch.tensor([4, 4])))
-    assert Sampler()(x, st)[0].tolist() == [0, 4]  # only row 0 ends in [1, 2]: its 4 is banned, the rest tie at 0
+    seqs = [Sequence([7], SamplingParams(temperature=0, bad_words=["w"])) for _ in range(4)]
+    for seq, completion in zip(seqs, ([1, 2], [2, 1], [1, PLACEHOLDER], [3, 1, 2])):
+        seq.token_ids += completion
+        seq.bad_words_ids = [[1, 2, 4], [9, 4]]
+    processors = [BadWords(10, frozenset(), torch.device("cpu"))]
+    st = sampling_tensors(seqs, torch.device("cpu"), processors, {seqs[2].seq_id: 1}, torch.tensor([0, 2]), 10)
+    assert Sampler()(x, st)[0].tolist() == [0, 4, 0, 0]  # where 4 is banned the rest tie at 0
 
 
 def test_step_api_streams_and_aborts(tiny_qwen3):

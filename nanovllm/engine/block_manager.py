@@ -96,12 +96,16 @@ class BlockManager:
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
-        if block.hash != -1:  # evict its prefix-cache entry
-            if self.hash_to_block_id.get(block.hash) == block_id:
-                del self.hash_to_block_id[block.hash]
-            block.hash, block.token_ids = -1, None
+        self._forget_hash(block)  # evict its prefix-cache entry
         block.ref_count = 1
         return block_id
+
+    def _forget_hash(self, block: Block):
+        """Take `block` out of the prefix cache (the map keeps an equal block registered first)."""
+        if block.hash != -1:
+            if self.hash_to_block_id.get(block.hash) == block.block_id:
+                del self.hash_to_block_id[block.hash]
+            block.hash, block.token_ids = -1, None
 
     def cache_full_blocks(self, seq: Sequence, num_known_tokens: int):
         """Register in the prefix cache every block of `seq` full of computed tokens among the
@@ -135,6 +139,31 @@ class BlockManager:
             return None
         child.block_table.append(self._take_free_block())
         return parent.block_table[full], child.block_table[-1]
+
+    def truncate(self, seq: Sequence, num_tokens: int):
+        """Drop `seq`'s KV past its first num_tokens tokens (its token_ids are the caller's): blocks
+        wholly past them go back, tail first (to the free list where no one else holds them), and
+        num_computed_tokens drops to num_tokens at most. A block ending inside them stays when seq
+        alone holds it; when shared (a prefix-cache hit, a fork's), seq gives it back and computes
+        its kept tokens again (num_computed_tokens drops to its start), since seq would write the
+        next tokens into it. Blocks whose hash covered a dropped token leave the prefix cache:
+        the one kept (it will hold other tokens) and those freed; one that others still hold keeps
+        it (it still holds their tokens)."""
+        bs = self.block_size
+        keep = min(self.blocks_needed(num_tokens), len(seq.block_table))
+        if keep * bs > num_tokens and self.blocks[seq.block_table[keep - 1]].ref_count > 1:
+            keep -= 1
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._forget_hash(block)
+                self.free_block_ids[block_id] = None
+        del seq.block_table[keep:]
+        if keep * bs > num_tokens:  # the kept block past num_tokens, seq's alone
+            self._forget_hash(self.blocks[seq.block_table[-1]])
+        seq.num_hashed_blocks = min(seq.num_hashed_blocks, num_tokens // bs, keep)
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens, keep * bs)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (as vLLM's reset_prefix_cache); only when no block is in use.

@@ -2,6 +2,7 @@
 ModelRunner running it, finished RequestOutputs out. executor/llm_engine.py's LLMEngine is this
 loop with its tensor-parallel workers started."""
 import logging
+import sys
 from collections.abc import Iterable
 from dataclasses import replace
 
@@ -11,7 +12,8 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.processor import Processor, Request
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.sequence import PLACEHOLDER, SequenceStatus
+from nanovllm.sampling.warmup import warm_up_sampler
+from nanovllm.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from nanovllm.engine.stop_checker import check_stop
 from nanovllm.engine.trace import region
 from nanovllm.lora_request import LoRARequest
@@ -19,6 +21,7 @@ from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
+STALE = sys.maxsize  # the position of a row whose token followed tokens cut since: past any sequence's end
 
 
 class EngineCore(EngineBase):
@@ -26,7 +29,9 @@ class EngineCore(EngineBase):
     handle on them, executor/tp_workers.py), which this process drives as rank 0."""
 
     def __init__(self, config: Config, workers=None):
-        self.model_runner = ModelRunner(config, workers=workers)
+        self.model_runner = runner = ModelRunner(config, workers=workers)
+        if runner.device.type == "cuda":  # every sampling kernel compiled now, not inside a generate call
+            warm_up_sampler(config.logprobs_mode, config.hf_config.vocab_size, runner.dtype, runner.device)
         if self.model_runner.max_model_len < config.max_model_len:
             logger.warning("max_model_len lowered from the model's %d to %d tokens, what the KV cache holds "
                            "(set max_model_len, or give the cache more memory)", config.max_model_len,
@@ -91,9 +96,11 @@ class EngineCore(EngineBase):
         with region("scheduling"):
             scheduled = self.scheduler.schedule()
         prefill = [n for seq, n in scheduled if seq.num_computed_tokens - n < seq.num_prompt_tokens]
-        self.num_prefill_tokens, self.num_decode_tokens = sum(prefill), len(scheduled) - len(prefill)
+        drafts = self.scheduler.scheduled_drafts
+        self.num_prefill_tokens = sum(prefill)
+        self.num_decode_tokens = len(scheduled) - len(prefill) + sum(map(len, drafts.values()))
         forks, copies = self._fork(scheduled)
-        launched = self.model_runner.run(scheduled, forks, copies) if scheduled else None
+        launched = self.model_runner.run(scheduled, forks, copies, drafts) if scheduled else None
         previous, self._inflight = self._inflight, self._after_launch(launched) if launched else None
         return self._process(*previous) if previous else []
 
@@ -116,14 +123,45 @@ class EngineCore(EngineBase):
                 seq.num_forks = 0
         return forks, copies
 
+    def add_draft_tokens(self, seq: Sequence, draft_token_ids: list[int]) -> int:
+        """Have `seq`, a decoding sequence, verify draft tokens in its next step (speculative
+        decoding's seam): that step runs its last token and the k drafts and samples 1 + k
+        positions, whose tokens join seq up to the first that differs from the draft at its
+        position (what followed a wrong draft is dropped, with its KV: BlockManager.truncate), or
+        up to a stop. Returns how many drafts it takes: those that leave its last token before
+        max_tokens and max_model_len to a plain step, and fit in a step (max_num_batched_tokens);
+        0 where seq cannot verify drafts now (not decoding: in prefill, preempted or finished; or
+        with logits processors, whose state follows one sampled row per sequence).
+        ValueError, nothing taken, for ids outside the vocabulary or a sequence with drafts already."""
+        cfg, sp = self.config, seq.sampling_params
+        vocab_size = cfg.hf_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in draft_token_ids):
+            raise ValueError(f"draft token ids must be integers in [0, {vocab_size}), got {draft_token_ids!r}")
+        if seq.seq_id in self.scheduler.drafts:
+            raise ValueError(f"sequence {seq.seq_id} already has draft tokens for its next step")
+        limit = cfg.max_model_len if sp.max_tokens is None else min(cfg.max_model_len,
+                                                                     seq.num_prompt_tokens + sp.max_tokens)
+        room = min(limit - len(seq) - 2, cfg.max_num_batched_tokens - 1)  # after the run, one token to go at least
+        if (seq.status != SequenceStatus.RUNNING or seq.num_computed_tokens != len(seq) - 1 or sp.needs_processing
+                or room <= 0 or not draft_token_ids):
+            return 0
+        self.scheduler.drafts[seq.seq_id] = taken = list(draft_token_ids[:room])
+        return len(taken)
+
     def _after_launch(self, launched: LaunchedStep) -> tuple[LaunchedStep, list[int]]:
-        """One PLACEHOLDER per sampled sequence; sequences that reach their length end now,
-        whatever they sample (their blocks are reused only by later, stream-ordered steps)."""
+        """One PLACEHOLDER per sampled row (a verify run's: one per position, in order);
+        sequences that reach their length end now, whatever they sample (their blocks are
+        reused only by later, stream-ordered steps), unless a verify run of theirs is in flight
+        (the previous step's, not yet checked: it may yet be cut short); then _process ends them.
+        A verify run never reaches the length itself (add_draft_tokens)."""
+        previous = self._inflight[0].runs if self._inflight is not None else ()
+        verifying = {seq.seq_id for seq, _, _ in previous} if previous else ()
         positions = []
         for seq in launched.seqs:
             positions.append(len(seq))
             seq.token_ids.append(PLACEHOLDER)
-            if check_stop(seq, PLACEHOLDER, self.config.eos_token_ids, self.config.max_model_len):
+            if (check_stop(seq, PLACEHOLDER, len(seq), self.config.eos_token_ids, self.config.max_model_len)
+                    and seq.seq_id not in verifying):
                 self.scheduler.finish(seq, "length")
         return launched, positions
 
@@ -132,7 +170,9 @@ class EngineCore(EngineBase):
         report the requests that changed."""
         changed: dict[str, Request] = {}
         tokens = self.model_runner.read_tokens(launched)
-        # a position's logprobs stay in the step's arrays, (arrays, row), until read (outputs.SampleLogprobs)
+        if launched.runs:
+            self._accept_runs(launched.runs, positions, tokens)
+        # a position's logprobs stay in the step's arrays, (arrays, row), until reported (Processor._logprobs)
         arrays = launched.logprobs.numpy() if launched.logprobs is not None else None
         chosen = arrays[1][:, 0].tolist() if arrays is not None else None
         row = -1  # the step's logprob rows are its sampled rows that asked for logprobs, in order
@@ -148,11 +188,12 @@ class EngineCore(EngineBase):
                 seq.logprobs.append((arrays, row))
                 seq.cumulative_logprob += chosen[row]
             new_text = seq.detokenizer.add(token) if seq.detokenizer else ""
-            stop = check_stop(seq, token, eos_token_ids, max_model_len, new_text)
-            if stop and stop[0] == "stop":
+            stop = check_stop(seq, token, pos + 1, eos_token_ids, max_model_len, new_text)
+            if stop:  # tokens past it go: after a stop; past the length where it was found late (_after_launch)
                 del seq.token_ids[pos + 1:]
-                self.scheduler.finish(seq, "stop")
-                seq.stop_reason = stop[1]
+                if stop[0] == "stop" or seq.status != SequenceStatus.FINISHED:
+                    self.scheduler.finish(seq, stop[0])
+                    seq.stop_reason = stop[1]
             if seq.status == SequenceStatus.RUNNING:
                 self.block_manager.cache_full_blocks(seq, pos + 1)
             elif seq.status == SequenceStatus.FINISHED:
@@ -168,6 +209,28 @@ class EngineCore(EngineBase):
             if request.finished:
                 del self.requests[request.request_id]
         return outputs
+
+    def _accept_runs(self, runs: list[tuple], positions: list[int], tokens: list[int]):
+        """Cut each verify run (sequence, first row, drafts) after its first token that differs from
+        the draft at its position: the later tokens followed a wrong draft, and so did the KV from
+        that position on (truncated), and the rows of the step launched since (in flight) for that
+        sequence, which are marked stale. The tokens kept then fill in as every row's, stops included."""
+        cut = set()
+        for seq, first, drafts in runs:
+            if seq.is_finished or positions[first] >= len(seq.token_ids):
+                continue  # finished, or a stale run (it followed tokens cut since)
+            for j, draft in enumerate(drafts):
+                if tokens[first + j] != draft:
+                    pos = positions[first + j]
+                    del seq.token_ids[pos + 1:]
+                    self.block_manager.truncate(seq, pos)
+                    cut.add(seq.seq_id)
+                    break
+        if cut and self._inflight is not None:
+            later, later_positions = self._inflight
+            for row, seq in enumerate(later.seqs):
+                if seq.seq_id in cut:
+                    later_positions[row] = STALE
 
     def _add_prompt_logprobs(self, spans: list, logprobs, changed: dict):
         """Append each span's prompt logprobs to its request, once: a prompt recomputed after a

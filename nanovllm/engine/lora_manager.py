@@ -78,9 +78,10 @@ class LoRAManager:
 
     # ---- rank 0 ------------------------------------------------------------------------------
 
-    def plan(self, scheduled: list[tuple[Sequence, int]], is_decode: bool) -> LoRAStep | None:
+    def plan(self, scheduled: list[tuple[Sequence, int]], graph_shape: bool) -> LoRAStep | None:
         """The LoRAStep of a step of these (sequence, new tokens), in their token order; None when no
-        sequence runs an adapter. is_decode: a step CUDA graphs may run (its tiles padded to theirs)."""
+        sequence runs an adapter. graph_shape: a step of a shape CUDA graphs run (decode, or a q_len
+        with graphs): its tiles are the graphs' size, and padded to their count when captured."""
         requests = [seq.lora_request for seq, _ in scheduled]
         if not any(requests):
             return None
@@ -104,8 +105,8 @@ class LoRAManager:
         counts = np.fromiter((n for _, n in scheduled), np.int64, len(scheduled))
         token_slots = np.repeat(seq_slots, counts)
         num_rows = int((token_slots >= 0).sum())
-        block_m = PREFILL_BLOCK_M if not is_decode and num_rows > PREFILL_MIN_ROWS else GRAPH_BLOCK_M
-        pad = self.context.graph_tiles if is_decode and self.context.graph_index is not None else None
+        block_m = PREFILL_BLOCK_M if not graph_shape and num_rows > PREFILL_MIN_ROWS else GRAPH_BLOCK_M
+        pad = self.context.graph_tiles if graph_shape and self.context.graph_index is not None else None
         index, num_tiles, groups = lora_mapping(token_slots, block_m, pad)
         return LoRAStep(loads, index, num_tiles, groups, block_m, frozenset().union(*(self.kinds[a] for a in step)))
 

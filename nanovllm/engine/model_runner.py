@@ -1,9 +1,9 @@
 """Builds the model on this rank's device and runs one packed forward per step: K/V go into the
-paged cache, logits are computed for the sampled rows only and sampled on rank 0. Decode steps
-replay CUDA graphs. Under tensor parallelism every rank has a ModelRunner; rank 0 plans each step
+paged cache, logits are computed for the sampled rows only and sampled on rank 0. Uniform steps
+(decode; verify runs of one length) replay CUDA graphs. Under tensor parallelism every rank has a ModelRunner; rank 0 plans each step
 and sends the plan to the others (nanovllm/executor/tp_workers.py), and each rank computes the
-logits of its shard of the vocabulary: rank 0 gathers them, or, where every row only scales by
-temperature, each rank draws from its shard and rank 0 takes the best draw (_sample_shards)."""
+logits of its shard of the vocabulary, which the StepSampler (nanovllm/sampling) of every rank
+samples together."""
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -14,14 +14,13 @@ from nanovllm.config import Config
 from nanovllm.engine.kv_cache import KVCacheSpec, num_kv_blocks
 from nanovllm.engine.lora_manager import LoRAManager
 from nanovllm.sequence import Sequence
-from nanovllm.sampling.inputs import TokenCounts, sampling_tensors
-from nanovllm.engine.step_inputs import Stager, StepPlan, plan_step
+from nanovllm.engine.step_inputs import Stager, StepPlan, draft_offsets, plan_step
 from nanovllm.engine.trace import region
 from nanovllm.layers.attention import Attention, make_backend
 from nanovllm.layers.linear import process_weights_after_loading
 from nanovllm.layers.linear_method import linear_method
-from nanovllm.sampling.sampler import (Sampler, SamplingTensors, TokenLogprobs, first_max, shard_candidates,
-                                     token_logprobs)
+from nanovllm.sampling.sampler import SamplingTensors, TokenLogprobs, token_logprobs
+from nanovllm.sampling.step_sampler import StepSampler
 from nanovllm.loader.source import iter_weights
 from nanovllm.loader.weights import check_weights_fit, dummy_weights, load_weights
 from nanovllm.models.registry import model_class
@@ -34,12 +33,13 @@ PROMPT_LOGITS_ROWS = 1024  # logits rows made at once for prompt logprobs: 0.6 G
 
 @dataclass
 class LaunchedStep:
-    """A step launched on the device, whose sampled tokens the engine reads later (read_tokens)."""
-    seqs: list[Sequence]  # the sequences sampled in the step, in row order
+    """A step launched on the device, whose sampled tokens (one a row) the engine reads later (read_tokens)."""
+    seqs: list[Sequence]  # each sampled row's sequence, in row order (a verify run's once per row)
     host: torch.Tensor | None  # [len(seqs)] int64: the sampled tokens, being copied to the host
     event: object  # CUDA event recorded after that copy, or None on CPU
     logprobs: TokenLogprobs | None = None  # of the rows whose request asked for logprobs, being copied too
     prompt_logprobs: tuple[list, TokenLogprobs] | None = None  # plan_step's prompt spans and their logprobs
+    runs: list[tuple] = ()  # plan_step's verify runs: (sequence, its first row, its drafts)
 
 
 class ModelRunner:
@@ -67,8 +67,7 @@ class ModelRunner:
         self.backend = make_backend(config.attention_backend)
         self.lora = LoRAManager(config) if config.enable_lora else None  # LoRA adapters' slots
         self.model = self._build_model()
-        self.sampler = Sampler(config.seed, config.logprobs_mode)
-        self.token_counts = TokenCounts(self.hf_config.vocab_size, self.device)
+        self.sampler = StepSampler(config, self.model.lm_head, self.device)
         # what execute() uses, set before the warm-up step that sizes the KV cache runs it
         self.stager = Stager(self.device)
         self._prev_rows: dict[int, int] = {}  # seq_id -> row of the last launched step's sampled tokens
@@ -89,14 +88,14 @@ class ModelRunner:
         self.backend.bind_kv_cache(self.kv_cache)
         if self.device.type == "cuda":
             # allocating pinned memory per step would synchronize the device; events are reused likewise
-            self._pinned = [(torch.empty(config.max_num_seqs, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-                            for _ in range(2)]
+            rows = config.max_num_seqs + config.max_num_batched_tokens  # sampled rows: a step's drafts add theirs
+            self._pinned = [(torch.empty(rows, dtype=torch.int64, pin_memory=True), torch.cuda.Event()) for _ in range(2)]
             if not config.enforce_eager and self.backend.supports_cuda_graphs:
                 from nanovllm.engine.cuda_graphs import CUDAGraphRunner  # Triton's: with CUDA only
-                self.graph_runner = CUDAGraphRunner(self.model, self.backend, config.max_num_seqs,
-                                                    self.max_blocks_per_seq, self.hf_config.hidden_size,
-                                                    self.model.lm_head.weight.size(0), self.dtype, self.device,
-                                                    workers.graphs if workers else {}, self.lora and self.lora.context)
+                self.graph_runner = CUDAGraphRunner(self.model, self.backend, config, self.max_blocks_per_seq,
+                                                    self.hf_config.hidden_size, self.model.lm_head.weight.size(0),
+                                                    self.dtype, self.device, workers.graphs if workers else {},
+                                                    self.lora and self.lora.context)
                 self.graph_runner.capture()
 
     def _build_model(self):
@@ -140,13 +139,11 @@ class ModelRunner:
             scheduled.append((seq, n))
         cache = self.kv_spec.allocate(next_block, self.device)
         self.backend.bind_kv_cache(cache)
-        plan = plan_step(scheduled, bs, {})[0]
-        plan.sample_shards = self.world_size > 1  # compiles the shards' sampler on every rank
-        self.execute(plan)
-        if self.rank == 0:
-            logits = torch.zeros(cfg.max_num_seqs, self.hf_config.vocab_size, device=self.device, dtype=self.dtype)
-            self.sampler(logits, SamplingTensors(torch.ones(cfg.max_num_seqs, device=self.device)))  # compiles its kernel
-            del logits
+        plan, seqs, _, _ = plan_step(scheduled, bs, {})
+        self.execute(plan, st=self.sampler.prepare(seqs, {}, None))  # greedy: under tensor parallelism, from shards
+        logits = torch.zeros(cfg.max_num_seqs, self.model.lm_head.weight.size(0), device=self.device, dtype=self.dtype)
+        self.sampler(logits, SamplingTensors(torch.ones(cfg.max_num_seqs, device=self.device)))  # compiles its kernel
+        del logits
         self.backend.bind_kv_cache(None)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -156,38 +153,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, scheduled: list[tuple[Sequence, int]], forks: dict[int, list[Sequence]] | None = None,
-            block_copies: list[tuple[int, int]] = ()) -> LaunchedStep | None:
+            block_copies: list[tuple[int, int]] = (), drafts: dict[int, list[int]] | None = None) -> LaunchedStep | None:
         """Launch one step without waiting for it (rank 0); None when it has nothing to read back
-        (no sampled row, no prompt logprobs). A token a
-        sequence has not read back yet (PLACEHOLDER) is taken from the last launched step's
-        sampled tokens on the device. forks, block_copies: sequences forked this step (see plan_step)."""
+        (no sampled row, no prompt logprobs). A token a sequence has not read back yet (PLACEHOLDER)
+        is taken from the last launched step's sampled tokens on the device. forks, block_copies:
+        sequences forked this step; drafts: the draft tokens of verifying sequences (see plan_step)."""
         with region("prepare_inputs"):
-            plan, seqs, prompt_spans = plan_step(scheduled, self.block_size, self._prev_rows, forks, block_copies)
-            plan.lora = self.lora.plan(scheduled, plan.is_decode) if self.lora else None
+            plan, seqs, prompt_spans, runs = plan_step(scheduled, self.block_size, self._prev_rows, forks,
+                                                       block_copies, drafts)
+            if self.lora:
+                graphs = self.graph_runner.batch_sizes if self.graph_runner else ()
+                plan.lora = self.lora.plan(scheduled, plan.is_decode or plan.uniform_q_len in graphs)
         st = None
         if seqs:
             with region("sampling"):
-                st = sampling_tensors(seqs, self.device, self.hf_config.vocab_size, self.config.eos_token_ids,
-                                      self._prev_rows, self._prev_sampled, self.token_counts)
-            plan.sample_shards = self.world_size > 1 and (st is None or (st.only_temperature and st.num_logprobs < 0))
+                st = self.sampler.prepare(seqs, self._prev_rows, self._prev_sampled, draft_offsets(runs, len(seqs)))
         if self.workers is None:
             out, prompt_lp = self.execute(plan, self._prev_sampled, st)
         else:
             with self.workers.step_guard():
-                self.workers.send(replace(plan, input_ids=None, pending=None))
+                self.workers.send(replace(plan, input_ids=None, pending=None), st and st.for_workers())
                 out, prompt_lp = self.execute(plan, self._prev_sampled, st)
-        self._prev_rows = {seq.seq_id: row for row, seq in enumerate(seqs)}
+        self._prev_rows = {seq.seq_id: row for row, seq in enumerate(seqs)}  # a run's last row: its pending token
         self._prev_sampled = sampled = logprobs = None
         if out is None and prompt_lp is None:
             return None
         if out is not None:
-            with region("sampling"):
-                sampled, logprobs = (out, None) if plan.sample_shards else self.sampler(out, st)
-                if st is not None and st.count_rows is not None:
-                    self.token_counts.add(st.count_rows, sampled)
-                self._prev_sampled = sampled
+            sampled, logprobs = out
+            self._prev_sampled = sampled
         if self.device.type != "cuda":
-            return LaunchedStep(seqs, sampled, None, logprobs, prompt_lp and (prompt_spans, prompt_lp))
+            return LaunchedStep(seqs, sampled, None, logprobs, prompt_lp and (prompt_spans, prompt_lp), runs)
         self._pinned.reverse()  # two buffers in turn: at most two steps' tokens are unread at once
         buffer, event = self._pinned[0]
         host = buffer[:len(seqs)]
@@ -195,10 +190,10 @@ class ModelRunner:
             host.copy_(sampled, non_blocking=True)
         logprobs, prompt_lp = (x.to("cpu", non_blocking=True) if x is not None else None for x in (logprobs, prompt_lp))
         event.record(self.stager.stream)
-        return LaunchedStep(seqs, host, event, logprobs, prompt_lp and (prompt_spans, prompt_lp))
+        return LaunchedStep(seqs, host, event, logprobs, prompt_lp and (prompt_spans, prompt_lp), runs)
 
     def read_tokens(self, step: LaunchedStep) -> list[int]:
-        """Wait for a launched step and return its sampled token ids, in row order."""
+        """Wait for a launched step and return its sampled token ids, in row order (step.seqs')."""
         if step.event is not None:
             if self.workers is None:
                 step.event.synchronize()
@@ -208,32 +203,35 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, prev_sampled: torch.Tensor | None = None, st: SamplingTensors | None = None):
-        """Run the forward of one step on this rank; returns, on rank 0, the logits of
-        plan.sample_rows (with plan.sample_shards: their sampled token ids, drawn with st) and the
-        TokenLogprobs of plan.prompt_rows (each None when there are none; both None on the other
-        ranks)."""
+        """Run the forward of one step on this rank and sample plan.sample_rows with st (rank 0's
+        SamplingTensors; for_workers() of it on the other ranks); returns, on rank 0, (their token
+        ids, TokenLogprobs or None) and the TokenLogprobs of plan.prompt_rows (each None when
+        there are none; both None on the other ranks)."""
         with region("prepare_inputs"):
-            tensors = self.stager.upload_plan(plan, self.backend.host_arrays(plan) | LoRAManager.host_arrays(plan.lora))
+            arrays = self.backend.host_arrays(plan)
+            if self.lora:
+                arrays = arrays | LoRAManager.host_arrays(plan.lora)
+            tensors = self.stager.upload_plan(plan, arrays)
             if self.lora:
                 self.lora.begin_step(plan.lora, tensors)
             meta = self.backend.build_metadata(plan, tensors)
-            graph_bs = self.graph_runner.batch_size_for(meta) if self.graph_runner else None
+            graph = self.graph_runner.graph_for(meta) if self.graph_runner else None
             pending = tensors.get("pending") if plan.input_ids is not None and len(plan.pending) else None
             if plan.input_ids is None:  # a tensor-parallel worker: rank 0 broadcasts the ids
                 input_ids = torch.empty(int(plan.cu_seqlens_q[-1]), dtype=torch.int64, device=self.device)
             else:
                 input_ids = tensors["input_ids"]
-                if pending is not None and (graph_bs is None or self.world_size > 1):
+                if pending is not None and (graph is None or self.world_size > 1):
                     index, rows = pending.unbind(1)
                     input_ids[index] = prev_sampled[rows]
                     pending = None
             if self.world_size > 1:
                 dist.broadcast(input_ids, 0)
         with region("forward"):
-            if graph_bs is None:
+            if graph is None:
                 hidden, logits = self.model(input_ids, meta), None
             else:  # the graph computes every row's logits (this rank's slice); pending ids are gathered with its inputs
-                hidden, logits = self.graph_runner.replay(graph_bs, input_ids, pending, prev_sampled, meta)
+                hidden, logits = self.graph_runner.replay(graph, input_ids, pending, prev_sampled, meta)
         if len(plan.block_copies):  # forked sequences' own copy of a shared, partial block, written just now
             src, dst = tensors["block_copies"].unbind(1)  # staged with the plan: a blocking copy would wait for the GPU
             self.kv_cache.copy_blocks(src, dst)
@@ -241,37 +239,14 @@ class ModelRunner:
         if not len(plan.sample_rows):
             return None, prompt_lp
         with region("compute_logits"):
-            rows = plan.sample_rows  # every row once (a decode step) needs no gather
+            rows = plan.sample_rows  # every row once (a decode step, a step of verify runs only) needs no gather
             gather_rows = len(rows) != hidden.size(0) or not np.array_equal(rows, np.arange(len(rows)))
             if logits is None:
                 logits = self.model.lm_head(hidden[tensors["sample_rows"]] if gather_rows else hidden)
             elif gather_rows:
                 logits = logits[tensors["sample_rows"]]
-            if plan.sample_shards:
-                return self._sample_shards(logits, st), prompt_lp
-            return self.model.lm_head.gather(logits), prompt_lp
-
-    def _sample_shards(self, logits: torch.Tensor, st: SamplingTensors | None) -> torch.Tensor | None:
-        """Tensor parallelism, rows that only scale by temperature (or are greedy): each rank draws
-        the Gumbel-max candidates of its shard of the vocabulary, logits [N, vocab / tp_size], with
-        rank 0's temperatures and seeds (broadcast), and rank 0 takes each row's best of all: the
-        token ids [N] on rank 0, None elsewhere. The same draw as the Sampler's from whole rows,
-        without gathering them (78 MB of bf16 logits for 256 rows of Qwen3's vocabulary)."""
-        params = torch.zeros(2, logits.size(0), dtype=torch.int32, device=self.device)  # temperatures' bits, seeds
-        if self.rank == 0 and st is not None and st.temperatures is not None:  # else all greedy: no noise, no seeds
-            params[0] = st.temperatures.view(torch.int32)
-            params[1] = self.sampler.kernel_seeds(logits.size(0), st)
-        dist.broadcast(params, 0)
-        head = self.model.lm_head
-        maxima, ids = shard_candidates(logits, params[0].view(torch.float32), params[1], head.vocab_start,
-                                       head.num_real)
-        mine = torch.stack([maxima.view(torch.int32), ids.to(torch.int32)])  # [2, N, C]: one message
-        parts = [torch.empty_like(mine) for _ in range(self.world_size)] if self.rank == 0 else None
-        dist.gather(mine, parts, 0)
-        if self.rank != 0:
-            return None
-        both = torch.cat(parts, 2)  # the ranks' shards in vocabulary order
-        return first_max(both[0].view(torch.float32), both[1].long())
+        with region("sampling"):
+            return self.sampler(logits, st), prompt_lp
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor, tensors: dict) -> TokenLogprobs | None:
         """The raw logprobs of the prompt tokens after plan.prompt_rows (vLLM's prompt_logprobs), with
@@ -286,7 +261,7 @@ class ModelRunner:
     def reset(self):
         """Forget the last launched step (after its requests were aborted)."""
         self._prev_rows, self._prev_sampled = {}, None
-        self.token_counts.rows = {}
+        self.sampler.reset()
         if self.lora:
             self.lora.forget_slots()
 

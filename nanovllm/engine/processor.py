@@ -8,7 +8,7 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.loader.lora import check_adapter, lora_targets
 from nanovllm.lora_request import LoRARequest
 from nanovllm.sequence import PLACEHOLDER, Sequence
-from nanovllm.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from nanovllm.outputs import CompletionOutput, FlatLogprobs, RequestOutput, position_logprobs
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -109,6 +109,8 @@ class Processor:
             if k is not None and self.max_logprobs != -1 and k > self.max_logprobs:
                 raise ValueError(f"{name}={k} is more than max_logprobs={self.max_logprobs}; "
                                  f"raise the engine argument max_logprobs (-1: no limit)")
+            if k is not None and k > self.vocab_size:
+                raise ValueError(f"{name}={k} is more than the vocabulary's {self.vocab_size} tokens")
         for name in ("stop_token_ids", "allowed_token_ids"):
             bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
             if bad:
@@ -176,14 +178,15 @@ class Processor:
             return None
         prompt_lp = request.prompt_logprobs
         if prompt_lp is not None:
-            prompt_lp = self._logprobs(list(prompt_lp), request.params.prompt_logprobs, request.params)  # a snapshot
+            prompt_lp = self._logprobs(prompt_lp, 0, len(prompt_lp), request.params.prompt_logprobs, request.params)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, prompt_lp,
                              completions, request.finished, request.seqs[0].num_cached_tokens, request.lora_request)
 
     def _completion(self, seq: Sequence, delta: bool) -> CompletionOutput:
-        known = seq.token_ids[seq.num_prompt_tokens:]
-        if known and known[-1] == PLACEHOLDER:
-            known = known[:-1]  # a sampled token not read back yet
+        end = len(seq.token_ids)
+        while end > seq.num_prompt_tokens and seq.token_ids[end - 1] == PLACEHOLDER:
+            end -= 1  # sampled tokens not read back yet (a verify run's: one per position)
+        known = seq.token_ids[seq.num_prompt_tokens:end]
         params, start = seq.sampling_params, seq.num_reported_tokens if delta else 0
         if seq.detokenizer is not None:
             text = seq.detokenizer.text
@@ -198,16 +201,24 @@ class Processor:
             text = text[seq.num_reported_chars:]
             seq.num_reported_chars += len(text)
             seq.num_reported_tokens = len(known)
-        logprobs = None if seq.logprobs is None else self._logprobs(seq.logprobs[start:len(known)], params.logprobs,
+        logprobs = None if seq.logprobs is None else self._logprobs(seq.logprobs, start, len(known), params.logprobs,
                                                                     params)
         return CompletionOutput(seq.index, text, known[start:], seq.cumulative_logprob if logprobs is not None else None,
                                 logprobs, seq.finish_reason, seq.stop_reason)
 
-    def _logprobs(self, positions: list, k: int, params: SamplingParams) -> SampleLogprobs:
-        """Per position (None for a prompt's first) the step's host arrays and row, a list the
-        result keeps, as vLLM's [{token id: Logprob}] of the token and top k, each dict made when read."""
+    def _logprobs(self, positions: list, start: int, end: int, k: int, params: SamplingParams) -> list | FlatLogprobs:
+        """positions[start:end] as vLLM's logprobs, a new list of {token id: Logprob} (the token and
+        top k; None for a prompt's first position), or with params.flat_logprobs a FlatLogprobs
+        that makes each dict when read. positions holds per position the step's host arrays and
+        row, (arrays, row); a dict made here replaces them there, so each is made once however
+        often the request is reported (a CUMULATIVE stream reports every step)."""
         decode = self._token_text if params.detokenize and self.tokenizer is not None else _no_text
-        return SampleLogprobs(positions, k, decode)
+        if params.flat_logprobs:
+            return FlatLogprobs(positions[start:end], k, decode)
+        for i in range(start, end):
+            if type(positions[i]) is tuple:
+                positions[i] = position_logprobs(positions[i], k, decode)
+        return positions[start:end]
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)  # one entry per token id ever read (at most the vocabulary)

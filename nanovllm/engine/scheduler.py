@@ -9,6 +9,10 @@ free, the newest running sequence is preempted: its blocks are freed and it is r
 oldest sequence always progresses and there is no deadlock. With max_loras, the running
 sequences run at most that many LoRA adapters (the device's adapter slots): a waiting sequence of
 another adapter waits, and those behind it that fit go first.
+
+A decoding sequence with draft tokens (drafts: proposed by EngineCore.add_draft_tokens) runs them
+too, whole, after its token, while budget and free blocks allow; else they are dropped (they
+follow its current last token). Those of the step are scheduled_drafts, which it verifies.
 """
 from collections import deque
 
@@ -27,6 +31,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.drafts: dict[int, list[int]] = {}  # seq_id -> draft tokens to verify in its next step
+        self.scheduled_drafts: dict[int, list[int]] = {}  # those of the last schedule(), counted in its entries
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)
@@ -36,8 +42,9 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """Return this step's (sequence, number of new tokens) pairs: running ones first, or in a
-        decode-only step, longest context first. Each sequence's num_computed_tokens already
-        counts its new tokens (as in vLLM, the step is as good as launched)."""
+        decode-only step, longest context first; a sequence verifying drafts counts them
+        (scheduled_drafts). Each sequence's num_computed_tokens already counts its new tokens (as
+        in vLLM, the step is as good as launched)."""
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
@@ -54,6 +61,9 @@ class Scheduler:
                 scheduled.append((seq, n))
                 budget -= n
                 i += 1
+        self.scheduled_drafts = {}
+        if self.drafts:
+            budget = self._schedule_drafts(scheduled, budget)
         loras = {s.lora_int_id for s in self.running} - {0} if self.max_loras and self.waiting else set()
         skipped = []  # waiting sequences of an adapter that finds no slot, left waiting in order
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -81,6 +91,17 @@ class Scheduler:
             scheduled.sort(key=lambda item: item[0].num_computed_tokens, reverse=True)
         return scheduled
 
+    def _schedule_drafts(self, scheduled: list[tuple[Sequence, int]], budget: int) -> int:
+        """Extend each scheduled decode (one new token) of a sequence with drafts by its drafts, where
+        the budget and free blocks allow; the others' drafts are dropped. Returns the budget left."""
+        for i, (seq, n) in enumerate(scheduled):
+            drafts = self.drafts.pop(seq.seq_id, None)
+            if drafts and n == 1 and len(drafts) <= budget and self.block_manager.allocate_slots(seq, 1 + len(drafts)):
+                scheduled[i] = (seq, 1 + len(drafts))
+                self.scheduled_drafts[seq.seq_id] = drafts
+                budget -= len(drafts)
+        return budget
+
     def fork(self, parent: Sequence, child: Sequence) -> tuple[bool, tuple[int, int] | None]:
         """Start `child` (a copy of `parent`'s prompt, for SamplingParams.n) from `parent`'s KV, just
         computed: running beside it when max_num_seqs and a free block allow, else waiting first in
@@ -98,6 +119,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence):
         self.block_manager.free(seq)
+        self.drafts.pop(seq.seq_id, None)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         self.waiting.appendleft(seq)
@@ -110,6 +132,7 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self.drafts.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -119,4 +142,5 @@ class Scheduler:
         for seq in self.running:
             self.block_manager.free(seq)
         self.running, self.waiting = [], deque()
+        self.drafts.clear()
         return seqs

@@ -18,33 +18,39 @@ class StepPlan:
     context_lens: np.ndarray  # [S]: tokens in the cache after this step
     slot_mapping: np.ndarray  # [T]: KV cache slot of each new token
     block_tables: np.ndarray  # [S, max blocks], -1 padded
-    sample_rows: np.ndarray  # token rows whose logits are sampled
-    is_decode: bool
+    sample_rows: np.ndarray  # [R] token rows whose logits are sampled, each sequence's in position order
+    num_sampled: np.ndarray  # [S]: positions each sequence samples, its last ones (0: none; 1 + k verifying k drafts)
+    uniform_q_len: int | None  # every sequence's number of new tokens when they are all equal (1: a decode step)
     max_seqlen_q: int
     num_decodes: int  # the leading sequences with one new token each (all of them in a decode step)
     block_copies: np.ndarray  # [C, 2]: (source, destination) KV blocks to copy after the forward
     prompt_rows: np.ndarray  # [Q] token rows whose logits give prompt logprobs (prompt_logprobs)
     prompt_targets: np.ndarray  # [Q]: the prompt token after each of those rows
     num_prompt_logprobs: int  # top tokens to return with them
-    # tensor parallelism: each rank draws from its vocabulary shard (ModelRunner._sample_shards) rather
-    # than rank 0 from gathered logits; rank 0 decides, for steps whose rows only scale by temperature
-    sample_shards: bool = False
     lora: object = None  # the step's LoRA adapters (engine/lora_manager.py LoRAStep), or None
 
     INT32 = ("cu_seqlens_q", "context_lens", "block_tables")  # the rest go up as int64
 
+    @property
+    def is_decode(self) -> bool:
+        """One new token per sequence: the decode kernels and the q_len 1 CUDA graphs."""
+        return self.uniform_q_len == 1
+
 
 def plan_step(scheduled: list[tuple[Sequence, int]], block_size: int, prev_rows: dict[int, int],
-              forks: dict[int, list[Sequence]] | None = None,
-              block_copies: list[tuple[int, int]] = ()) -> tuple[StepPlan, list[Sequence], list[tuple]]:
-    """Pack the scheduled (sequence, new tokens) pairs into a StepPlan; also returns the sequences
-    sampled this step, in row order. The rule for which rows sample lives here: a sequence samples
+              forks: dict[int, list[Sequence]] | None = None, block_copies: list[tuple[int, int]] = (),
+              drafts: dict[int, list[int]] | None = None) -> tuple[StepPlan, list[Sequence], list[tuple], list[tuple]]:
+    """Pack the scheduled (sequence, new tokens) pairs into a StepPlan; also returns the sequence of
+    each sampled row, in row order. The rule for which rows sample lives here: a sequence samples
     when its new tokens reach its end, and so do the sequences forked from it this step
-    (forks: seq_id -> children, for SamplingParams.n), from the same logits row. A PLACEHOLDER
-    input token is the previous step's sampled token of that sequence, at row prev_rows[seq_id] of
-    its sampled tensor. Also returns, for prompt_logprobs, (sequence, first position, count) of
-    the plan's prompt_rows, in order: row p's logits give the logprob of prompt token p + 1.
-    Index math is vectorised."""
+    (forks: seq_id -> children, for SamplingParams.n), from the same logits row. A sequence with
+    drafts (seq_id -> draft token ids, which its scheduled tokens count after its own) runs them
+    after its tokens and samples 1 + k positions, the logits of its last token and of each draft:
+    k + 1 consecutive rows, its sequence once per row. A PLACEHOLDER input token is the previous
+    step's sampled token of that sequence, at row prev_rows[seq_id] of its sampled tensor. Also
+    returns, for prompt_logprobs, (sequence, first position, count) of the plan's prompt_rows, in
+    order: row p's logits give the logprob of prompt token p + 1; and the verify runs, (sequence,
+    its first row, its drafts) each. Index math is vectorised."""
     num_seqs = len(scheduled)
     counts = np.fromiter((n for _, n in scheduled), np.int64, num_seqs)
     context_lens = np.fromiter((seq.num_computed_tokens for seq, _ in scheduled), np.int64, num_seqs)
@@ -53,7 +59,7 @@ def plan_step(scheduled: list[tuple[Sequence, int]], block_size: int, prev_rows:
     np.cumsum(counts, out=cu_q[1:])
     width = int(-(-context_lens.max() // block_size))
     block_tables = np.full((num_seqs, width), -1, np.int64)
-    input_ids, pending, samples, sampled = [], [], [], []
+    input_ids, pending, samples, sampled, runs = [], [], [], [], []
     prompt_rows, prompt_targets, prompt_spans, num_prompt_logprobs = [], [], [], 0
     for i, ((seq, n), start, end) in enumerate(zip(scheduled, starts.tolist(), context_lens.tolist())):
         table = seq.block_table[:width]
@@ -67,6 +73,12 @@ def plan_step(scheduled: list[tuple[Sequence, int]], block_size: int, prev_rows:
             for child in forks.get(seq.seq_id, ()) if forks else ():
                 samples.append(i)
                 sampled.append(child)
+        elif drafts and (run := drafts.get(seq.seq_id)) is not None:
+            assert end == len(seq) + len(run), "a sequence's drafts run whole, in the step after its last token"
+            input_ids.extend(run)
+            runs.append((seq, len(sampled), run))
+            samples.extend([i] * (len(run) + 1))
+            sampled.extend([seq] * (len(run) + 1))
         if seq.sampling_params.prompt_logprobs is not None:
             first, last = start, min(end, seq.num_prompt_tokens - 1)
             if last > first:
@@ -77,12 +89,30 @@ def plan_step(scheduled: list[tuple[Sequence, int]], block_size: int, prev_rows:
     seq_of_token = np.repeat(np.arange(num_seqs), counts)
     positions = np.arange(cu_q[-1]) - cu_q[seq_of_token] + starts[seq_of_token]
     slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    samples = np.array(samples, np.int64)
+    sample_rows, num_sampled = cu_q[samples + 1] - 1, np.zeros(num_seqs, np.int64)
+    num_sampled[samples] = 1
+    for _, first, run in runs:  # a run's rows: its last k + 1 tokens, the last one's already set
+        k = len(run)
+        sample_rows[first:first + k + 1] = sample_rows[first + k] - np.arange(k, -1, -1)
+        num_sampled[samples[first]] = k + 1
+    uniform_q_len = int(counts[0]) if (counts == counts[0]).all() else None
     plan = StepPlan(np.array(input_ids, np.int64), np.array(pending, np.int64).reshape(-1, 2), positions, cu_q,
-                    context_lens, slot_mapping, block_tables, cu_q[np.array(samples, np.int64) + 1] - 1,
-                    bool((counts == 1).all()), int(counts.max()), _leading_ones(counts),
-                    np.array(block_copies, np.int64).reshape(-1, 2),
+                    context_lens, slot_mapping, block_tables, sample_rows, num_sampled, uniform_q_len,
+                    int(counts.max()), _leading_ones(counts), np.array(block_copies, np.int64).reshape(-1, 2),
                     np.array(prompt_rows, np.int64), np.array(prompt_targets, np.int64), num_prompt_logprobs)
-    return plan, sampled, prompt_spans
+    return plan, sampled, prompt_spans, runs
+
+
+def draft_offsets(runs: list[tuple], num_rows: int) -> list[int] | None:
+    """For each of a step's num_rows sampled rows, how many of its sequence's drafts come before the
+    position it samples (row j of a verify run: j; other rows 0); None without runs (plan_step's)."""
+    if not runs:
+        return None
+    offsets = [0] * num_rows
+    for _, first, run in runs:
+        offsets[first:first + len(run) + 1] = range(len(run) + 1)
+    return offsets
 
 
 def _leading_ones(counts: np.ndarray) -> int:

@@ -3,9 +3,10 @@ from nanovllm.engine.detokenizer import find_stop_string
 from nanovllm.sequence import PLACEHOLDER, Sequence
 
 
-def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset, max_model_len: int,
+def check_stop(seq: Sequence, token: int, num_tokens: int, eos_token_ids: frozenset, max_model_len: int,
                new_text: str = "") -> tuple[str, int | str | None] | None:
-    """(finish_reason, stop_reason) if `seq` ends with `token`, its newest known token, else None:
+    """(finish_reason, stop_reason) if `seq` ends with `token`, its newest known token and its
+    num_tokens-th (later tokens, sampled and not read yet, may follow it), else None:
     ("stop", None) for an EOS id (unless ignore_eos); ("stop", id) for one of stop_token_ids (the
     token stays in token_ids, its text leaves the detokenized text unless
     include_stop_str_in_output, as vLLM's detokenizer skips a stop token);
@@ -15,7 +16,7 @@ def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset, max_model_le
     only "length" can end it (the sampler masks EOS and stop ids until then). With token =
     PLACEHOLDER (sampled, not read yet) only "length" can be decided, which the engine does as
     soon as the step is launched."""
-    sp, num_completion_tokens = seq.sampling_params, len(seq.token_ids) - seq.num_prompt_tokens
+    sp, num_completion_tokens = seq.sampling_params, num_tokens - seq.num_prompt_tokens
     if token != PLACEHOLDER and num_completion_tokens >= sp.min_tokens:
         if not sp.ignore_eos and token in eos_token_ids:
             return _stop_token(seq, new_text, None)
@@ -26,7 +27,7 @@ def check_stop(seq: Sequence, token: int, eos_token_ids: frozenset, max_model_le
             if found:
                 cut_stop_string(seq, *found)
                 return "stop", found[0]
-    if (sp.max_tokens is not None and num_completion_tokens >= sp.max_tokens) or len(seq.token_ids) >= max_model_len:
+    if (sp.max_tokens is not None and num_completion_tokens >= sp.max_tokens) or num_tokens >= max_model_len:
         return "length", None
     return None
 

@@ -2,8 +2,9 @@
 
 Rank r >= 1 runs in its own process with its own ModelRunner (its shard of the weights and
 of the KV heads, on GPU r or on the CPU) and executes the StepPlans that rank 0 pipes to it:
-a few small arrays per step (positions, slot mapping, block tables); the token ids reach it by
-a broadcast on the device. The processes exit when the engine is deleted, when the parent
+a few small arrays per step (positions, slot mapping, block tables), with what its sampler needs
+of rank 0's SamplingTensors (SamplingTensors.for_workers); the token ids reach it by a broadcast
+on the device. The processes exit when the engine is deleted, when the parent
 process dies (the kernel kills them), or when their pipe closes.
 """
 import multiprocessing as mp
@@ -40,8 +41,9 @@ def _worker_main(config: Config, rank: int, store_path: str, symmetric: bool, co
     from nanovllm.engine.model_runner import ModelRunner
     try:
         runner = ModelRunner(config, rank=rank, store_path=store_path, symmetric=symmetric)
-        while (plan := conn.recv()) is not None:
-            runner.execute(plan)
+        while (step := conn.recv()) is not None:
+            plan, st = step
+            runner.execute(plan, st=st)
         # rank 0 asked the ranks to stop, and leaves the group with them
         runner.tp_group.leave(runner.graph_runner.graphs if runner.graph_runner else {})
     except EOFError:
@@ -104,9 +106,11 @@ class TPWorkers:
         if self.broken:
             raise RuntimeError(self.broken)
 
-    def send(self, plan):
+    def send(self, plan, st):
+        """One step for the workers: its StepPlan (without input_ids and pending) and what their
+        samplers need of its SamplingTensors (for_workers(); None when no row is sampled)."""
         for conn in self.conns:
-            conn.send(plan)
+            conn.send((plan, st))
 
     @contextmanager
     def step_guard(self):

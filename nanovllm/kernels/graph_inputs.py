@@ -1,7 +1,8 @@
-"""A decode step's inputs written into a CUDA graph's static buffers by one kernel.
+"""A uniform step's inputs (a decode step, or q_len new tokens per sequence) written into a CUDA
+graph's static buffers by one kernel.
 
 Before each replay the graph's token ids and attention metadata must hold the step's values, the
-rows past the batch padding (slot -1: no KV write; context length 0: zero output). Done with torch
+sequences past the batch padding (slot -1: no KV write; see write_graph_inputs). Done with torch
 ops that is nine small kernels a step (the pending tokens' gather and scatter, the copies, the
 fills); this kernel does it in one. On an H100 decode steps of 1-2 sequences took ~20 us less
 (0.84 against 0.86 ms, 1.24 against 1.26), within a noisy machine's spread (docs/perf-log.md, 2026-11-25)."""
@@ -14,18 +15,21 @@ import triton.language as tl
 @triton.jit(do_not_specialize=["num_pending", "num_seqs", "width", "stride_t"])
 def graph_inputs_kernel(ids_ptr, pending_ptr, num_pending, sampled_ptr, positions_ptr, slots_ptr, ctx_ptr,
                         tables_ptr, num_seqs, width, stride_t, g_ids_ptr, g_positions_ptr, g_slots_ptr, g_ctx_ptr,
-                        g_tables_ptr, stride_gt, PLACEHOLDER: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Grid (graph batch size,): program i writes row i (a sequence's values, or padding past
-    num_seqs) and the i-th pending token, sampled[pending[i, 1]] at token pending[i, 0]; the
+                        g_tables_ptr, stride_gt, PLACEHOLDER: tl.constexpr, Q_LEN: tl.constexpr,
+                        BLOCK_Q: tl.constexpr, PAD_CONTEXT: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Grid (graph batch size,): program i writes sequence i's Q_LEN tokens (ids, positions, slots)
+    and its context length and block-table row, or padding past num_seqs (slots -1, context
+    PAD_CONTEXT), and the i-th pending token, sampled[pending[i, 1]] at token pending[i, 0]; the
     other tokens come from ids (where they are not PLACEHOLDER). Block-table columns past width
     keep older values: context_lens bounds every read of them."""
     row = tl.program_id(0)
+    offs_q = tl.arange(0, BLOCK_Q)
+    tokens, in_row = row * Q_LEN + offs_q, offs_q < Q_LEN
     if row < num_seqs:
-        token = tl.load(ids_ptr + row)
-        if token != PLACEHOLDER:
-            tl.store(g_ids_ptr + row, token)
-        tl.store(g_positions_ptr + row, tl.load(positions_ptr + row))
-        tl.store(g_slots_ptr + row, tl.load(slots_ptr + row))
+        ids = tl.load(ids_ptr + tokens, mask=in_row, other=PLACEHOLDER)
+        tl.store(g_ids_ptr + tokens, ids, mask=in_row & (ids != PLACEHOLDER))
+        tl.store(g_positions_ptr + tokens, tl.load(positions_ptr + tokens, mask=in_row), mask=in_row)
+        tl.store(g_slots_ptr + tokens, tl.load(slots_ptr + tokens, mask=in_row), mask=in_row)
         tl.store(g_ctx_ptr + row, tl.load(ctx_ptr + row))
         cols = tl.arange(0, BLOCK_W)
         for c in range(0, width, BLOCK_W):
@@ -33,27 +37,34 @@ def graph_inputs_kernel(ids_ptr, pending_ptr, num_pending, sampled_ptr, position
             entries = tl.load(tables_ptr + row * stride_t + c + cols, mask=mask)
             tl.store(g_tables_ptr + row * stride_gt + c + cols, entries, mask=mask)
     else:
-        tl.store(g_slots_ptr + row, -1)
-        tl.store(g_ctx_ptr + row, 0)
+        tl.store(g_slots_ptr + tokens, tl.full([BLOCK_Q], -1, tl.int64), mask=in_row)
+        tl.store(g_ctx_ptr + row, PAD_CONTEXT)
     if row < num_pending:
         index, source = tl.load(pending_ptr + 2 * row), tl.load(pending_ptr + 2 * row + 1)
         tl.store(g_ids_ptr + index, tl.load(sampled_ptr + source))
 
 
 def write_graph_inputs(batch_size: int, input_ids: torch.Tensor, pending: torch.Tensor | None,
-                       sampled: torch.Tensor | None, meta, graph_ids: torch.Tensor, graph_meta, placeholder: int):
-    """Write a decode step of n <= batch_size sequences into a graph's static buffers.
-    input_ids: [n] int64, `placeholder` where pending [P, 2] int64 (token index, row of sampled)
-    names the previous step's sampled token ([rows] int64); pending None or empty: none.
-    meta: the step's AttentionMetadata (positions, slot_mapping [n] int64, context_lens [n] int32,
-    block_tables [n, width] int32); graph_ids [>= batch_size] int64 and graph_meta (the backend's
-    static AttentionMetadata, block_tables [>= batch_size, >= width]) receive them."""
+                       sampled: torch.Tensor | None, meta, graph_ids: torch.Tensor, graph_meta, placeholder: int,
+                       q_len: int = 1):
+    """Write a step of n <= batch_size sequences of q_len new tokens each into a graph's static buffers.
+    input_ids: [n * q_len] int64, `placeholder` where pending [P <= n, 2] int64 (token index, row
+    of sampled) names the previous step's sampled token ([rows] int64); pending None or empty:
+    none. meta: the step's AttentionMetadata (positions, slot_mapping [n * q_len] int64,
+    context_lens [n] int32, block_tables [n, width] int32); graph_ids [>= batch_size * q_len]
+    int64 and graph_meta (the backend's static AttentionMetadata, block_tables [>= batch_size,
+    >= width]) receive them. Padding sequences get context length 0 when q_len is 1 (the decode
+    kernel gives them zeros) and q_len otherwise: the prefill kernel's queries then see key 0,
+    through the first entry of a block-table row, which always names a block (a sequence in a
+    step holds one), where context 0 would have it read before the row."""
     n, width = meta.block_tables.shape
     num_pending = 0 if pending is None else pending.size(0)
     assert n <= batch_size and width <= graph_meta.block_tables.size(1) and meta.block_tables.stride(1) == 1
+    assert input_ids.size(0) == n * q_len and num_pending <= n
     graph_inputs_kernel[(batch_size,)](
         input_ids, pending if num_pending else input_ids, num_pending, sampled if num_pending else input_ids,
         meta.positions, meta.slot_mapping, meta.context_lens, meta.block_tables, n, width,
         meta.block_tables.stride(0), graph_ids, graph_meta.positions, graph_meta.slot_mapping,
         graph_meta.context_lens, graph_meta.block_tables, graph_meta.block_tables.stride(0),
-        PLACEHOLDER=placeholder, BLOCK_W=64, num_warps=1)
+        PLACEHOLDER=placeholder, Q_LEN=q_len, BLOCK_Q=triton.next_power_of_2(q_len),
+        PAD_CONTEXT=0 if q_len == 1 else q_len, BLOCK_W=64, num_warps=1)

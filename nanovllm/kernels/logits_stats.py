@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.sampling import CHUNK
+from nanovllm.kernels.sampling import CHUNK, MAX_KERNEL_TOPK
 
 
 @triton.jit
@@ -58,14 +58,15 @@ def chunk_max_kernel(logits_ptr, stride, max_ptr, vocab_size, CHUNK: tl.constexp
     tl.store(max_ptr + row * tl.num_programs(1) + chunk, tl.max(x.to(tl.float32), 0))
 
 
-@triton.jit
-def chunk_topk_kernel(logits_ptr, stride, threshold_ptr, values_ptr, index_ptr, vocab_size, K: tl.constexpr,
+@triton.jit(do_not_specialize=["K"])
+def chunk_topk_kernel(logits_ptr, stride, threshold_ptr, values_ptr, index_ptr, vocab_size, K,
                       K_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """Grid (num_rows, num_chunks): the largest entries of one CHUNK of a row of logits that are at
-    least the row's threshold, at most K, in descending order (the first index among equal values),
-    written to values/index [num_rows, num_chunks * K]; the other slots get -inf. Rounds of max and
-    remove over the chunk held in registers. A -inf logit becomes -FLT_MAX, so that the second
-    stage prefers it to an empty slot."""
+    least the row's threshold, at most K (<= K_PAD), in descending order (the first index among
+    equal values), written to values/index [num_rows, num_chunks * K]; the other slots get -inf.
+    Rounds of max and remove over the chunk held in registers. A -inf logit becomes -FLT_MAX, so
+    that the second stage prefers it to an empty slot. K is a runtime value (not specialised on),
+    so one compiled kernel serves every k: the engine's start-up compiles it (sampling/warmup.py)."""
     row, chunk = tl.program_id(0), tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = offs < vocab_size
@@ -87,7 +88,7 @@ def chunk_topk_kernel(logits_ptr, stride, threshold_ptr, values_ptr, index_ptr, 
     tl.store(index_ptr + out + rest, 0, mask=(rest >= i) & (rest < K))
 
 
-TOPK_CHUNK, MAX_KERNEL_TOPK = 2048, 64
+TOPK_CHUNK = 2048
 
 
 def chunked_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +110,7 @@ def chunked_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
         else torch.full((rows,), float("-inf"), device=logits.device)
     values = torch.empty(rows, chunks * k, dtype=torch.float32, device=logits.device)
     indices = torch.empty(rows, chunks * k, dtype=torch.int64, device=logits.device)
-    chunk_topk_kernel[(rows, chunks)](logits, logits.stride(0), threshold, values, indices, vocab, K=k,
-                                      K_PAD=triton.next_power_of_2(k), CHUNK=TOPK_CHUNK, num_warps=4)
+    chunk_topk_kernel[(rows, chunks)](logits, logits.stride(0), threshold, values, indices, vocab, k,
+                                      K_PAD=MAX_KERNEL_TOPK, CHUNK=TOPK_CHUNK, num_warps=4)
     top, where = values.topk(k, dim=-1)
     return top.masked_fill_(top == torch.finfo(torch.float32).min, float("-inf")), indices.gather(1, where)

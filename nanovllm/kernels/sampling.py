@@ -105,6 +105,7 @@ def _fmix32(h):
 
 
 CHUNK = 8192  # vocabulary entries per program: 19 programs per row for Qwen's 151,936
+MAX_KERNEL_TOPK = 64  # the largest k of logits_stats.chunked_topk; topk_sample pads every k up to it alike
 
 
 def gumbel_max_candidates(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, offset: int = 0,
@@ -217,16 +218,17 @@ def nucleus_sample(logits: torch.Tensor, temperatures: torch.Tensor, top_p: torc
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K"])
 def topk_sample_kernel(values_ptr, ids_ptr, temperatures_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, out_ptr,
-                       K: tl.constexpr, K_PAD: tl.constexpr):
-    """Grid (num_rows,): one token per row from the row's K largest logits (values [N, K] float32,
-    descending, with their token ids [N, K]), filtered as Sampler._filter_sorted filters them:
+                       K, K_PAD: tl.constexpr):
+    """Grid (num_rows,): one token per row from the row's K (<= K_PAD) largest logits (values [N, K]
+    float32, descending, with their token ids [N, K]), filtered as Sampler._filter_sorted filters them:
     min_p (p >= min_p * p_max), top_k (the first top_k; 0: all K), top_p (keep while the mass
     before an entry, of those left, is below top_p). Then the Gumbel-max argmax of x / T + G at
     the kept entries, G the noise of gumbel_max_kernel at their token ids (so a seeded row draws
     the sorted path's token); where T == 0 the smallest token id among the maxima (the argmax).
-    Base 2 as gumbel_max_kernel."""
+    Base 2 as gumbel_max_kernel. K is a runtime value (not specialised on): one compiled kernel
+    per K_PAD serves every K up to it."""
     row = tl.program_id(0)
     rank = tl.arange(0, K_PAD)
     x = tl.load(values_ptr + row * K + rank, mask=rank < K, other=float("-inf"))
@@ -260,6 +262,7 @@ def topk_sample(values: torch.Tensor, ids: torch.Tensor, temperatures: torch.Ten
     top_k = top_k if top_k is not None else torch.zeros(rows, dtype=torch.int64, device=values.device)
     top_p = top_p if top_p is not None else torch.ones(rows, device=values.device)
     min_p = min_p if min_p is not None else torch.zeros(rows, device=values.device)
+    # one K_PAD for every k <= MAX_KERNEL_TOPK: one kernel, which the engine compiles at start-up
     topk_sample_kernel[(rows,)](values.contiguous(), ids.contiguous(), temperatures, top_k, top_p, min_p, seeds, out,
-                                K=k, K_PAD=triton.next_power_of_2(k), num_warps=1)
+                                k, K_PAD=max(MAX_KERNEL_TOPK, triton.next_power_of_2(k)), num_warps=1)
     return out

@@ -12,7 +12,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.layernorm import RMSNorm, residual_norm
 from nanovllm.layers.linear_method import LinearMethod, UnquantizedLinearMethod
 from nanovllm.distributed.state import TensorParallel
 
@@ -25,7 +25,7 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
     add and the norm (all_reduce_rms_norm), then the layer's product; otherwise the layer's method
     fuses the norm into its product where it has kernels for that (LinearMethod.apply_norm)."""
     if layer.tp_size > 1:
-        x, residual = layer.group.all_reduce_rms_norm(x, residual, norm)
+        x, residual = residual_norm(x, residual, norm, layer.group)
         return layer(x), residual
     return layer.quant_method.apply_norm(layer, x, residual, norm)
 
@@ -60,10 +60,11 @@ class LinearBase(nn.Module):
 
 
 def process_weights_after_loading(model: nn.Module):
-    """Let every linear layer's method turn its loaded weight into what it computes with
-    (quantization="fp8": float8; embeddings, LM head and norms stay in the model dtype)."""
+    """Let every layer with a method (linear layers, experts: moe_method.py) turn its loaded weights
+    into what it computes with (quantization="fp8": float8; embeddings, LM head and norms stay in
+    the model dtype)."""
     for module in model.modules():
-        if isinstance(module, LinearBase):
+        if getattr(module, "quant_method", None) is not None:
             module.quant_method.process_weights_after_loading(module)
 
 
@@ -71,6 +72,14 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor):
     if dst.shape != src.shape:
         raise ValueError(f"checkpoint tensor has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
     dst.copy_(src)
+
+
+class ReplicatedLinear(LinearBase):
+    """A layer every rank holds whole (a mixture-of-experts router), computing the full product."""
+
+    def __init__(self, input_size: int, output_size: int, tp: TensorParallel, bias: bool = False,
+                 quant_method: LinearMethod | None = None):
+        super().__init__(input_size, output_size, bias, None, tp, quant_method)
 
 
 class ColumnParallelLinear(LinearBase):

@@ -14,6 +14,7 @@ from torch import nn
 
 from nanovllm.kernels.activation import silu_and_mul
 from nanovllm.kernels.fp8 import fp8_linear, quantize_fp8, quantizes_activations, rms_norm_fp8, scaled_mm, swiglu_fp8
+from nanovllm.layers.layernorm import residual_norm
 
 SKINNY_MAX_ROWS = 64  # under 2% gain over cuBLAS from 96 rows on (benchmarks/decode_gemm.py)
 
@@ -38,8 +39,10 @@ class LinearMethod:
     keeps them). x: [num_tokens, in] (gated: [num_tokens, 2 * in] = [gate | up], multiplied as
     silu(gate) * up first); results in x's dtype, written to out (contiguous) when given.
     rows_independent: apply may compute any slice of a step's rows alone (a tensor-parallel
-    prefill's row-parallel product goes chunk by chunk, TPGroup.send_partial_sums)."""
+    prefill's row-parallel product goes chunk by chunk, TPGroup.send_partial_sums).
+    quantization: the Config.quantization it implements (the experts' method follows it: moe_method.py)."""
     rows_independent = True
+    quantization: str | None = None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Turn the loaded model-dtype weight into what apply reads (nothing to do by default)."""
@@ -52,7 +55,7 @@ class LinearMethod:
                    norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(layer's product of norm(r), r) for r = x + residual (r = x when residual is None);
         x, residual: [num_tokens, hidden_size], norm a layernorm.RMSNorm. Unfused: the norm, then apply."""
-        x, residual = (norm(x), x) if residual is None else norm(x, residual)
+        x, residual = residual_norm(x, residual, norm)
         return self.apply(layer, x, layer.bias), residual
 
 
@@ -89,6 +92,7 @@ class Fp8LinearMethod(LinearMethod):
     """quantization="fp8": the loaded weight kept as float8 e4m3 with one float32 scale per output
     channel (weight_scale [out]); activations quantized per token where the product is large enough
     to gain from float8 matrix cores (kernels/fp8.py: quantizes_activations)."""
+    quantization = "fp8"
 
     @torch.no_grad()
     def process_weights_after_loading(self, layer):
@@ -116,7 +120,7 @@ class Fp8LinearMethod(LinearMethod):
         return super().apply_norm(layer, x, residual, norm)
 
 
-METHODS = {None: UnquantizedLinearMethod, "fp8": Fp8LinearMethod}  # Config.quantization -> method
+METHODS = {cls.quantization: cls for cls in (UnquantizedLinearMethod, Fp8LinearMethod)}  # Config.quantization -> method
 
 
 def linear_method(quantization: str | None) -> LinearMethod:

@@ -121,34 +121,35 @@ class LoRAContext:
 
     # ---- CUDA graphs ------------------------------------------------------------------------
 
-    def init_graph_state(self, max_num_seqs: int, device: torch.device):
-        """Allocate the static mapping of decode graphs of up to max_num_seqs rows."""
-        self.graph_tiles = tile_slots(max_num_seqs, self.max_loras)
-        self.graph_index = torch.full((3 * self.graph_tiles + max_num_seqs,), -1, dtype=torch.int32, device=device)
+    def init_graph_state(self, max_num_tokens: int, device: torch.device):
+        """Allocate the static mapping of CUDA graphs of up to max_num_tokens rows."""
+        self.graph_tiles = tile_slots(max_num_tokens, self.max_loras)
+        self.graph_index = torch.full((3 * self.graph_tiles + max_num_tokens,), -1, dtype=torch.int32, device=device)
 
-    def graph_variants(self, batch_size: int) -> list[frozenset | None]:
-        """The graphs to capture for a batch size, by the kinds of layers they add deltas to: None
-        (no adapter rows), and for small batches some kinds alone (SMALL_GRAPH_KINDS), then all."""
-        small = [k for k in SMALL_GRAPH_KINDS if k < self.all_kinds] if batch_size <= SMALL_GRAPH_MAX_ROWS else []
+    def graph_variants(self, num_tokens: int) -> list[frozenset | None]:
+        """The graphs to capture for a graph of num_tokens rows, by the kinds of layers they add
+        deltas to: None (no adapter rows), and for few rows some kinds alone (SMALL_GRAPH_KINDS),
+        then all."""
+        small = [k for k in SMALL_GRAPH_KINDS if k < self.all_kinds] if num_tokens <= SMALL_GRAPH_MAX_ROWS else []
         return [None, *small, self.all_kinds]
 
-    def use_graph(self, batch_size: int, kinds: frozenset | None):
-        """Point the mapping at the static buffers, as the graph of (batch_size, kinds) captures it."""
+    def use_graph(self, num_tokens: int, kinds: frozenset | None):
+        """Point the mapping at the static buffers, as the graph of (num_tokens, kinds) captures it."""
         self.clear()
         if kinds is not None:
-            tiles = self.graph_index[:3 * self.graph_tiles].view(-1, 3)[:tile_slots(batch_size, self.max_loras)]
-            rows = self.graph_index[3 * self.graph_tiles:3 * self.graph_tiles + batch_size]
+            tiles = self.graph_index[:3 * self.graph_tiles].view(-1, 3)[:tile_slots(num_tokens, self.max_loras)]
+            rows = self.graph_index[3 * self.graph_tiles:3 * self.graph_tiles + num_tokens]
             self.tiles, self.rows, self.kinds = tiles, rows, kinds
-            self.fused = batch_size <= FUSED_MAX_ROWS
+            self.fused = num_tokens <= FUSED_MAX_ROWS
 
-    def write_graph_inputs(self, batch_size: int) -> frozenset | None:
+    def write_graph_inputs(self, num_tokens: int) -> frozenset | None:
         """Copy this step's mapping into the static buffers (the planner padded its tiles to
-        graph_tiles, spare ones slot -1); returns the variant of graph_variants(batch_size) to replay."""
+        graph_tiles, spare ones slot -1); returns the variant of graph_variants(num_tokens) to replay."""
         if self.tiles is None:
             return None
         assert self.tiles.size(0) == self.graph_tiles and self.block_m == GRAPH_BLOCK_M
         self.graph_index[:self._index.numel()].copy_(self._index)
-        return next(k for k in self.graph_variants(batch_size)[1:] if self.kinds <= k)
+        return next(k for k in self.graph_variants(num_tokens)[1:] if self.kinds <= k)
 
 
 class LoRALinearMethod(LinearMethod):
@@ -157,6 +158,7 @@ class LoRALinearMethod(LinearMethod):
 
     def __init__(self, base: LinearMethod, context: LoRAContext):
         self.base, self.context = base, context
+        self.quantization = base.quantization  # the experts' method follows it (moe_method.py)
 
     def process_weights_after_loading(self, layer):
         self.base.process_weights_after_loading(layer)

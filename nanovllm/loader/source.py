@@ -80,19 +80,22 @@ def load_tokenizer(path: str, load_format: str, hf_config: PretrainedConfig | No
         return None
 
 
-GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# generation_config.json's name -> SamplingParams' (vLLM's ModelConfig.get_diff_sampling_param)
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 def read_generation_defaults(path: str, load_format: str) -> dict:
-    """The sampling defaults in the model's generation_config.json (those of GENERATION_DEFAULTS it
-    sets), as vLLM's generation_config="auto"; {} when there is none (GGUF files, builtin configs)."""
+    """The SamplingParams defaults that the model's generation_config.json sets (of those
+    GENERATION_DEFAULTS maps; max_new_tokens becomes max_tokens), as vLLM's
+    generation_config="auto"; {} when there is none (GGUF files, builtin configs)."""
     if load_format == "gguf" or not os.path.isfile(os.path.join(path, "generation_config.json")):
         return {}
     try:
         config = GenerationConfig.from_pretrained(path).to_diff_dict()
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {path}/generation_config.json: {e}") from None
-    return {k: config[k] for k in GENERATION_DEFAULTS if config.get(k) is not None}
+    return {name: config[k] for k, name in GENERATION_DEFAULTS.items() if config.get(k) is not None}
 
 
 def iter_weights(path: str, load_format: str, hf_config: PretrainedConfig):

@@ -7,6 +7,8 @@ layers' quant_method (layers/linear_method.py) when it is built; forward takes t
 AttentionMetadata explicitly. A layer calls its attention and MLP blocks through one interface,
 block(x, residual, norm, ...) -> (out, residual), each fusing the pre-norm into its first product:
 another MLP (experts, say) is another block with that interface."""
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -68,11 +70,13 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Attention, then `mlp` (a DecoderMLP, or another block with its interface: experts)."""
+
     def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool, tp: TensorParallel,
-                 backend: AttentionBackend | None, quant_method: LinearMethod | None = None):
+                 backend: AttentionBackend | None, quant_method: LinearMethod | None, mlp: nn.Module):
         super().__init__()
         self.self_attn = DecoderAttention(config, layer_idx, qkv_bias, qk_norm, tp, backend, quant_method)
-        self.mlp = DecoderMLP(config, tp, quant_method)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -83,11 +87,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    """make_mlp(layer_idx) builds each layer's MLP block."""
+
     def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallel, backend: AttentionBackend | None,
-                 quant_method: LinearMethod | None = None):
+                 quant_method: LinearMethod | None, make_mlp: Callable[[int], nn.Module]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, qkv_bias, qk_norm, tp, backend, quant_method)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, qkv_bias, qk_norm, tp, backend, quant_method, make_mlp(i))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.group = tp.group
@@ -117,11 +123,38 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config, tp: TensorParallel = TensorParallel(), backend: AttentionBackend | None = None,
                  quant_method: LinearMethod | None = None):
         super().__init__()
-        self.model = DecoderModel(config, self.qkv_bias, self.qk_norm, tp, backend, quant_method)
+        self.model = DecoderModel(config, self.qkv_bias, self.qk_norm, tp, backend, quant_method,
+                                  lambda i: self.make_mlp(config, i, tp, quant_method))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, config, layer_idx: int, tp: TensorParallel, quant_method: LinearMethod | None) -> nn.Module:
+        """Layer layer_idx's MLP block, called as block(x, residual, norm) -> (out, residual) with
+        the pre-norm fused in and, with tensor parallelism, partial sums out: SwiGLU here; a
+        mixture-of-experts model returns its sparse block where its config says (models/moe.py)."""
+        return DecoderMLP(config, tp, quant_method)
+
+    @classmethod
+    def split_sizes(cls, hf_config) -> dict[str, int]:
+        """The config's sizes that tensor parallelism splits besides the attention heads: the MLP's."""
+        return {"intermediate_size": hf_config.intermediate_size}
+
+    @classmethod
+    def check_config(cls, hf_config, tp_size: int):
+        """Raise ValueError, before anything is built, for a config this class cannot serve, or
+        unless the model splits evenly over tp_size ranks: query heads and every size of
+        split_sizes divisible by it, and KV heads either divisible by it or dividing it (then each
+        KV head is replicated on tp_size / num_key_value_heads ranks)."""
+        if tp_size == 1:
+            return
+        heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+        sizes = {"num_attention_heads": heads, **cls.split_sizes(hf_config)}
+        if any(size % tp_size for size in sizes.values()) or (kv_heads % tp_size and tp_size % kv_heads):
+            raise ValueError(f"tensor_parallel_size={tp_size} does not split this model: it needs to divide "
+                             + " and ".join(f"{name}={size}" for name, size in sizes.items())
+                             + f", and to divide or be a multiple of num_key_value_heads={kv_heads}")
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, meta)

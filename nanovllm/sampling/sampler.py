@@ -1,11 +1,11 @@
 """The Sampler: one token per row of logits, with the log-probabilities a request asks for, in
 one batched pass over the step's SamplingTensors."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from nanovllm.sampling.logits_processors import apply_logits_processors
+from nanovllm.sampling.processors import LogitsProcessor
 
 
 @dataclass
@@ -14,44 +14,31 @@ class SamplingTensors:
     top_k [N] int64, top_p [N], min_p [N] float32; max_top_k: the largest top_k when every row with
     temperature > 0 has one, else 0. seeds: (rows [S] int64, seeds [S] int64 in [0, 2^31)) of the
     seeded rows, whose noise is gumbel_noise(seed, token id), the same in every sampling path.
-    penalties: (presence [N], frequency [N], repetition [N]) float32, with token_counts [C, vocab]
-    int32 (how often each token occurs in a completion) at rows count_rows [N] int64, and, only for
-    repetition_penalty, prompt_mask [C, vocab] bool (the tokens of a prompt) at the same rows
-    (engine/sampling_inputs.TokenCounts). output_ids [N, L] int64: the last L tokens of each row's
-    completion, right-aligned, padded on the left with vocab_size (for banned_after).
-    logit_bias: (rows, token ids, values).
-    banned: (rows, token ids) set to -inf (EOS and stop ids before min_tokens; one-token bad words).
-    banned_after: (rows [B], prefixes [B, M] int64 left-padded with -3, token ids [B]): a token is
-    banned when the row's completion ends with its prefix (bad words of several tokens).
-    allowed: (rows, token ids), the only tokens of those rows that may be sampled.
-    num_logprobs: top tokens to return (-1: no row asked), with logprob_rows [R] the rows that did."""
+    processors: (LogitsProcessor, its state) of each processor some row carries, in the order they
+    apply (sampling/processors). num_logprobs: top tokens to return (-1: no row asked), with
+    logprob_rows [R] the rows that did. from_shards: under tensor parallelism, every rank draws
+    from its vocabulary shard (sampling/tp_shards.py) rather than rank 0 from gathered logits."""
     temperatures: torch.Tensor | None = None
     top_k: torch.Tensor | None = None
     max_top_k: int = 0
     top_p: torch.Tensor | None = None
     min_p: torch.Tensor | None = None
     seeds: tuple | None = None
-    penalties: tuple | None = None
-    token_counts: torch.Tensor | None = None
-    count_rows: torch.Tensor | None = None
-    prompt_mask: torch.Tensor | None = None
-    output_ids: torch.Tensor | None = None
-    logit_bias: tuple | None = None
-    banned: tuple | None = None
-    banned_after: tuple | None = None
-    allowed: tuple | None = None
+    processors: list[tuple[LogitsProcessor, object]] = field(default_factory=list)
     num_logprobs: int = -1
     logprob_rows: torch.Tensor | None = None
-
-    @property
-    def processed(self) -> bool:
-        """Whether some row's logits go through the logits processors."""
-        return any(x is not None for x in (self.penalties, self.logit_bias, self.banned, self.banned_after, self.allowed))
+    from_shards: bool = False
 
     @property
     def only_temperature(self) -> bool:
         """Whether every row draws from softmax(logits / T) (or takes the argmax): no processors, no filters."""
-        return not self.processed and self.top_k is None and self.top_p is None and self.min_p is None
+        return not self.processors and self.top_k is None and self.top_p is None and self.min_p is None
+
+    def for_workers(self) -> "SamplingTensors":
+        """What the other tensor-parallel ranks need of it, sent with the step's plan: whether they
+        draw from their shards (the temperatures and seeds reach them by broadcast) or send their
+        logits to rank 0."""
+        return SamplingTensors(from_shards=self.from_shards)
 
 
 @dataclass
@@ -75,11 +62,11 @@ class TokenLogprobs:
 
 def topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk(logits, k, dim=-1) of logits [N, vocab]: (values [N, k], descending; ids [N, k]
-    int64); on CUDA, for k up to sampling_kernel.MAX_KERNEL_TOPK, by its chunked_topk
+    int64); on CUDA, for 1 <= k <= kernels/logits_stats.MAX_KERNEL_TOPK, by its chunked_topk
     (float32 values; benchmarks/sampler_costs.py measures both)."""
     if logits.is_cuda:
-        from nanovllm.kernels.sampling import MAX_KERNEL_TOPK, chunked_topk
-        if k <= min(MAX_KERNEL_TOPK, logits.size(-1)):
+        from nanovllm.kernels.logits_stats import MAX_KERNEL_TOPK, chunked_topk
+        if 1 <= k <= min(MAX_KERNEL_TOPK, logits.size(-1)):  # k = 0: logprobs=0 asks for the sampled token's alone
             return chunked_topk(logits, k)
     return logits.topk(k, dim=-1)
 
@@ -88,11 +75,11 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Tok
     """The log-softmax of logits [R, vocab] (computed in float32) at token_ids [R], their ranks,
     and the top k. The [R, vocab] log-softmax is never written: logprob = logit - logsumexp, and
     ranks and the top k are the same on logits as on logprobs. On CUDA the logsumexp and ranks
-    come from one read of the logits (sampling_kernel.logsumexp_and_rank)."""
+    come from one read of the logits (kernels/logits_stats.logsumexp_and_rank)."""
     chosen = logits.gather(1, token_ids.unsqueeze(1)).float()
     top, top_ids = topk(logits, k)
     if logits.is_cuda:
-        from nanovllm.kernels.sampling import logsumexp_and_rank
+        from nanovllm.kernels.logits_stats import logsumexp_and_rank
         lse, rank = logsumexp_and_rank(logits, token_ids)
     else:
         x = logits.float()
@@ -102,35 +89,9 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> Tok
                          torch.cat([chosen, top.float()], 1) - lse.unsqueeze(1), ranks)
 
 
-def first_max(maxima: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Candidates maxima [N, C] with their token ids [N, C] int64, in vocabulary order -> each
-    row's id of the largest [N], the first on ties (as argmax over the whole row)."""
-    return ids.gather(1, maxima.argmax(1, keepdim=True)).squeeze(1)
-
-
-def shard_candidates(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, offset: int,
-                     width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Gumbel-max draw's candidates from a vocabulary shard: logits [N, W] of tokens offset +
-    [0, W), of which the first `width` are real; temperatures [N] float32 (0: greedy), seeds [N]
-    int32, whose noise at token t is gumbel_noise(seed, t) on every shard. Returns (maxima [N, C]
-    float32, their token ids [N, C] int64), for first_max over the candidates of all shards in
-    vocabulary order: the token argmax(logits / T + G) over the whole vocabulary. On CUDA the
-    Gumbel-max kernel's per-chunk maxima (C = its chunks, in base 2); elsewhere torch's (C = 1)."""
-    if logits.is_cuda:
-        from nanovllm.kernels.sampling import gumbel_max_candidates
-        return gumbel_max_candidates(logits, temperatures, seeds, offset, width)
-    x = logits[:, :width].float()
-    hot = temperatures > 0
-    ids = torch.arange(offset, offset + width, device=x.device).expand_as(x)
-    x = torch.where(hot.unsqueeze(1), x / torch.where(hot, temperatures, 1.0).unsqueeze(1)
-                    + gumbel_noise(seeds.long(), ids), x)
-    maxima, index = x.max(1, keepdim=True)  # the first maximum
-    return maxima, index + offset
-
-
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
     """MurmurHash3's 32-bit finaliser on int64 tensors holding uint32 values (the low 32 bits of
-    each product are kept, as in uint32 arithmetic); sampling_kernel._fmix32 in torch."""
+    each product are kept, as in uint32 arithmetic); kernels/sampling._fmix32 in torch."""
     h = h ^ (h >> 16)
     h = (h * 0x85EBCA6B) & 0xFFFFFFFF
     h = h ^ (h >> 13)
@@ -141,7 +102,7 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
 def gumbel_noise(seeds: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Gumbel noise -log(-log(U)) [S, M] float32 of seeds [S] int64 (in [0, 2^31)) at token_ids
     [S, M] int64: U from the counter-based hash of (seed, token id) that the Gumbel-max kernel
-    uses (sampling_kernel.py), so a seeded row draws the same token on every path (the kernels'
+    uses (kernels/sampling.py), so a seeded row draws the same token on every path (the kernels'
     noise, through the GPU's approximate log2, is within 8e-6 of this: candidates closer than that
     may order differently)."""
     bits = _fmix32((token_ids * 0x9E3779B9 + _fmix32(seeds).unsqueeze(1)) & 0xFFFFFFFF)
@@ -155,15 +116,15 @@ class Sampler(nn.Module):
     """forward(logits [N, vocab] (float32 or the model dtype), st: SamplingTensors or None (all
     greedy, nothing else)) -> (token ids [N] int64, TokenLogprobs of st.logprob_rows or None).
 
-    Order (vLLM's): the logits processors (penalties, logit_bias, banned and allowed tokens),
-    then greedy rows (temperature 0) take the argmax; the others are scaled by 1/temperature and
-    filtered: min_p (drop tokens below min_p * the top probability), top_k (keep the k largest),
+    Order (vLLM's): the logits processors of st.processors on a float32 copy of the logits (their
+    update() follows the draw), then greedy rows (temperature 0) take the argmax; the others are
+    scaled by 1/temperature and filtered: min_p (drop tokens below min_p * the top probability), top_k (keep the k largest),
     top_p (keep the smallest set whose mass reaches top_p, the top token always kept). Sampling
     is the Gumbel-max draw argmax(logits / T + G), exactly from softmax(logits / T) over the kept
     tokens (Gumbel 1954); G = -log(E), E ~ Exp(1) from the engine's generator, except in seeded
     rows, whose G is a hash of (seed, token id) (gumbel_noise), so they repeat whatever else is in
     the batch. On CUDA, a batch with temperatures alone is sampled in one pass by the Gumbel-max
-    kernel (sampling_kernel.py), with the same hash in seeded rows; with top_p and/or min_p (and
+    kernel (kernels/sampling.py), with the same hash in seeded rows; with top_p and/or min_p (and
     no top_k) by the nucleus kernel, which draws the sorted path's token without sorting; with
     top_k on every sampling row, by the top-k kernel over the rows' max_top_k largest logits.
     Logprobs are the log-softmax of the raw logits (logprobs_mode "raw_logprobs") or of the
@@ -179,11 +140,12 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, st: SamplingTensors | None = None):
         if st is None:
             return logits.argmax(-1), None
-        processed = st.processed
         raw = logits
         need_final = st.num_logprobs >= 0 and self.logprobs_mode == "processed_logprobs"  # the logits drawn from
-        if processed:
-            logits = apply_logits_processors(logits.to(torch.float32, copy=True), st)  # raw stays as it was
+        if st.processors:
+            logits = logits.to(torch.float32, copy=True)  # raw stays as it was
+            for processor, state in st.processors:
+                processor.apply(logits, state)
         if st.temperatures is None:
             sampled, final = logits.argmax(-1), logits
         elif logits.is_cuda and st.only_temperature and not need_final:
@@ -201,6 +163,8 @@ class Sampler(nn.Module):
             final = None
         else:
             sampled, final = self._sample(logits, st, need_final)
+        for processor, state in st.processors:
+            processor.update(state, sampled)
         if st.num_logprobs < 0:
             return sampled, None
         source, chosen = final if need_final else raw, sampled
@@ -236,7 +200,7 @@ class Sampler(nn.Module):
 
     def kernel_seeds(self, rows: int, st: SamplingTensors) -> torch.Tensor:
         """[rows] int32 seeds of the Gumbel noise drawn by hashing (the Triton samplers',
-        shard_candidates'), on st.temperatures' device: seeded rows' own, the others' from the
+        tp_shards'), on st.temperatures' device: seeded rows' own, the others' from the
         engine's generator (fresh each step)."""
         device = st.temperatures.device
         gen = self._default_generator(device)

@@ -21,7 +21,9 @@ class AttentionMetadata:
     cu_seqlens_q: [B + 1] int32, offsets of each sequence's new tokens in the packed batch.
     context_lens: [B] int32, keys per sequence after this step (cached + new tokens).
     block_tables: [B, max_blocks] int32, each sequence's physical KV blocks in order.
-    max_seqlen_q: the longest run of new tokens. is_decode: every sequence has one new token.
+    max_seqlen_q: the longest run of new tokens. uniform_q_len: every sequence's number of new
+    tokens when they are all equal (1: a decode step, is_decode; 1 + k: verifying k draft tokens
+    each), else None; CUDA graphs are captured per (batch size, uniform_q_len).
     num_decodes: the first num_decodes sequences have one new token each (in a decode step, B; as
     vLLM's split of decodes from prefills; the scheduler puts decoding sequences first).
     staged: None, or (blocks [n], block_tables [B, max_blocks]) int32 where a backend stages a
@@ -37,10 +39,15 @@ class AttentionMetadata:
     context_lens: torch.Tensor
     block_tables: torch.Tensor
     max_seqlen_q: int
-    is_decode: bool
+    uniform_q_len: int | None
     num_decodes: int = 0
     staged: tuple[torch.Tensor, torch.Tensor] | None = None
     work: torch.Tensor | None = None
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per sequence: the decode kernels' step."""
+        return self.uniform_q_len == 1
 
 
 class AttentionBackend:
@@ -49,7 +56,7 @@ class AttentionBackend:
     read back from the cache, so prefix-cache hits, chunked prefill and decode are one code path.
     One instance per ModelRunner, given to every Attention layer when the model is built."""
     name = "base"
-    supports_cuda_graphs = False  # True when launch shapes depend only on the batch size
+    supports_cuda_graphs = False  # True when launch shapes depend only on (batch size, uniform_q_len)
     stages_float8_prefill = False  # True: a float8 cache comes with a staging area (engine/kv_cache.py)
 
     def __init__(self):
@@ -59,6 +66,7 @@ class AttentionBackend:
         self.v_scales: list[torch.Tensor | None] = []
         self.staging: torch.Tensor | None = None  # the KV cache's staging area, if any
         self.graph_meta: AttentionMetadata | None = None
+        self.graph_cu_seqlens_q: dict[int, torch.Tensor] = {}  # q_len -> the graphs' cu_seqlens_q
 
     def bind_kv_cache(self, kv_cache):
         """Use `kv_cache` (a KVCache) from the next step on; None unbinds it."""
@@ -77,8 +85,8 @@ class AttentionBackend:
     def build_metadata(self, plan, tensors: dict[str, torch.Tensor]) -> AttentionMetadata:
         """The step's metadata from its StepPlan (host) and the plan's arrays on the device (by field name)."""
         return AttentionMetadata(tensors["positions"], tensors["slot_mapping"], tensors["cu_seqlens_q"],
-                                 tensors["context_lens"], tensors["block_tables"], plan.max_seqlen_q, plan.is_decode,
-                                 plan.num_decodes)
+                                 tensors["context_lens"], tensors["block_tables"], plan.max_seqlen_q,
+                                 plan.uniform_q_len, plan.num_decodes)
 
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One Attention layer's work: rotary embedding (after the per-head norms, if any) of
@@ -110,20 +118,25 @@ class AttentionBackend:
 
     # ---- CUDA graphs: static metadata buffers that captured graphs read ----------------------
 
-    def init_graph_state(self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device):
-        """Allocate the static metadata of decode graphs for up to max_num_seqs sequences (the graph
-        runner writes each step's into them: kernels/graph_inputs.py)."""
+    def init_graph_state(self, max_num_seqs: int, max_blocks_per_seq: int, q_lens: list[int], device: torch.device):
+        """Allocate the static metadata of CUDA graphs of up to max_num_seqs sequences of q_len new
+        tokens each, for each q_len in q_lens (the graph runner writes each step's into them:
+        kernels/graph_inputs.py); cu_seqlens_q is constant per q_len."""
         def zeros(*shape, dtype=torch.int32):
             return torch.zeros(shape, dtype=dtype, device=device)
+        max_tokens = max_num_seqs * max(q_lens)
         self.graph_meta = AttentionMetadata(
-            positions=zeros(max_num_seqs, dtype=torch.int64),
-            slot_mapping=torch.full((max_num_seqs,), -1, dtype=torch.int64, device=device),
-            cu_seqlens_q=torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device),
-            context_lens=zeros(max_num_seqs), block_tables=zeros(max_num_seqs, max_blocks_per_seq),
-            max_seqlen_q=1, is_decode=True, num_decodes=max_num_seqs)
+            positions=zeros(max_tokens, dtype=torch.int64),
+            slot_mapping=torch.full((max_tokens,), -1, dtype=torch.int64, device=device),
+            cu_seqlens_q=None, context_lens=zeros(max_num_seqs), block_tables=zeros(max_num_seqs, max_blocks_per_seq),
+            max_seqlen_q=1, uniform_q_len=1, num_decodes=max_num_seqs)
+        self.graph_cu_seqlens_q = {q: torch.arange(0, q * max_num_seqs + 1, q, dtype=torch.int32, device=device)
+                                   for q in q_lens}
 
-    def graph_metadata(self, batch_size: int) -> AttentionMetadata:
-        """The static metadata of a decode batch of batch_size sequences (what a graph captures)."""
-        g = self.graph_meta
-        return AttentionMetadata(g.positions[:batch_size], g.slot_mapping[:batch_size], g.cu_seqlens_q[:batch_size + 1],
-                                 g.context_lens[:batch_size], g.block_tables[:batch_size], 1, True, batch_size)
+    def graph_metadata(self, batch_size: int, q_len: int = 1) -> AttentionMetadata:
+        """The static metadata of a step of batch_size sequences of q_len new tokens each (what a
+        graph captures): a decode step for q_len 1, else one the prefill path runs."""
+        g, num_tokens = self.graph_meta, batch_size * q_len
+        return AttentionMetadata(g.positions[:num_tokens], g.slot_mapping[:num_tokens],
+                                 self.graph_cu_seqlens_q[q_len][:batch_size + 1], g.context_lens[:batch_size],
+                                 g.block_tables[:batch_size], q_len, q_len, batch_size if q_len == 1 else 0)

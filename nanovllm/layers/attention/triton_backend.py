@@ -26,7 +26,10 @@ class TritonBackend(AttentionBackend):
     k, v (with a float8 cache up to FUSED_FP8_MAX_SEQS sequences; past that, qk_norm_rope
     first). Prefill: one kernel norms, rotates and stores k and stores v, then paged prefill
     attention norms and rotates its q tiles; a mixed step's decoding sequences, from
-    DECODE_PROGRAMS_FROM of them, get decode programs in its grid.
+    DECODE_PROGRAMS_FROM of them, get decode programs in its grid. A step of q_len > 1 new tokens
+    per sequence (verifying drafts) takes the prefill path; its grid is fixed for a fixed (batch
+    size, q_len), so such steps replay CUDA graphs too (without gluon_prefill's work list or a
+    float8 cache's staging, which are planned on the host per step).
     A float8 cache's prefill step first dequantizes the blocks its q tiles read into the staging
     area (when they fit), and the q tiles read those as a model-dtype cache: converting float8
     tiles inside the kernel runs it at half its bf16 speed (H100, 16 x 1024 tokens of Qwen3-0.6B:
@@ -36,7 +39,7 @@ class TritonBackend(AttentionBackend):
     On Hopper with a model-dtype cache, prefill attention is gluon_prefill's persistent kernel
     instead (where its shapes allow: see gluon_usable), over a work list built on the host."""
     name = "triton"
-    supports_cuda_graphs = True  # launch shapes depend only on the batch size
+    supports_cuda_graphs = True  # launch shapes depend only on (batch size, uniform_q_len)
     stages_float8_prefill = True
 
     def forward(self, layer, q, k, v, meta):

@@ -1,0 +1,130 @@
+"""EngineArgs: the engine arguments a user passes (vLLM's names, defaults and meanings), declared
+once here; config.py's Config.create validates them and resolves them into the Config the engine
+reads (the same fields, every "auto" decided, plus what the model's files give)."""
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.layers.attention import BACKENDS
+from nanovllm.loader.source import LOAD_FORMATS
+
+DTYPES = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+          "float": torch.float32}
+DEVICES = ("auto", "cuda", "cpu")
+ATTENTION_BACKENDS = ("auto", *BACKENDS)
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}  # and "auto"
+
+
+@dataclass
+class EngineArgs:
+    """vLLM's engine arguments, with its names and meanings (those nanovllm has), as LLM(model,
+    **engine_args) and LLMEngine.from_engine_args(EngineArgs(model=..., ...)) take them; Config.create
+    validates and resolves them.
+
+    model: local directory, hub id, .gguf file, or a builtin config name with load_format="dummy".
+    max_num_seqs: most sequences in one step. max_num_batched_tokens: most tokens in one step
+    (longer prompts are prefilled in chunks). max_model_len: most tokens (prompt + completion) per
+    sequence; default the model's max_position_embeddings. gpu_memory_utilization: fraction of GPU
+    memory the engine may use (weights, activations, KV cache). kvcache_block_size: tokens per KV block.
+    num_kvcache_blocks: KV pool size, overriding the memory-based sizing. cpu_kvcache_space_gib: KV
+    pool size on CPU (as vLLM's VLLM_CPU_KVCACHE_SPACE). enforce_eager: no CUDA graphs.
+    dtype: "auto" (the checkpoint's bf16/fp16 on GPU, float32 on CPU), "bfloat16", "float16", "float32".
+    kv_cache_dtype: "auto" (the model dtype), "fp8" or "fp8_e4m3" (float8 e4m3 with a float32
+    scale per token and KV head: ~1.9x the tokens in the same memory). quantization: None, or "fp8"
+    (the linear layers' weights in float8 e4m3 with a scale per output channel, activations
+    quantized per token; the default for a checkpoint whose quantization_config says fp8). device:
+    "auto" (CUDA when available), "cuda", "cpu".
+    load_format: "auto", "safetensors", "gguf", "dummy" (random weights). attention_backend: "auto"
+    (Triton on CUDA, torch otherwise), "triton", "torch". seed: seeds dummy weights and unseeded
+    sampling. tensor_parallel_size: GPUs (or CPU processes) one model is split across.
+    data_parallel_size: engine replicas, each on its own tensor_parallel_size GPUs, that share the
+    prompts of a generate call. generation_config: "auto" (the model's generation_config.json gives
+    the default SamplingParams' temperature, top_p, top_k, min_p, repetition_penalty, and its
+    max_new_tokens their max_tokens) or "vllm" (vLLM's defaults). When max_model_len is left unset
+    and the model's maximum does not fit the KV cache, the engine lowers it to what fits (and logs
+    it). logprobs_mode: "raw_logprobs" (the model's log-softmax) or "processed_logprobs" (of the
+    logits sampled from: after penalties, bias, masks, temperature and filters). max_logprobs: the
+    most logprobs or prompt_logprobs a request may ask for (vLLM's default 20; -1: no limit).
+    distributed_executor_backend: where data-parallel replicas run: "mp" (processes of this host)
+    or "ray" (actors on the Ray cluster, nanovllm/executor/ray_replicas.py).
+    trust_remote_code: let transformers run the model folder's own Python code for its config and
+    tokenizer (vLLM's meaning); the model itself must still be an architecture nanovllm implements.
+    enable_lora: serve PEFT LoRA adapters (generate(..., lora_request=...)); max_loras: adapters in
+    one step (their slots on the device); max_lora_rank: the largest adapter rank; max_cpu_loras:
+    adapters kept on the host (default max_loras, at least as many).
+    """
+    model: str
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int | None = None
+    cpu_kvcache_space_gib: float = 4.0
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    dtype: str | torch.dtype = "auto"
+    kv_cache_dtype: str | torch.dtype = "auto"
+    quantization: str | None = None
+    device: str | torch.device = "auto"
+    load_format: str = "auto"
+    attention_backend: str = "auto"
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    generation_config: str = "auto"
+    logprobs_mode: str = "raw_logprobs"
+    max_logprobs: int = 20
+    distributed_executor_backend: str = "mp"
+    trust_remote_code: bool = False
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def validate(self):
+        """Raise ValueError naming the first argument that is wrong and what it allows (what needs
+        the model, such as max_model_len against its positions, is Config.create's)."""
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size",
+                     "data_parallel_size", "max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("max_model_len", "num_kvcache_blocks"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {self.max_logprobs!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("trust_remote_code", "enable_lora"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        cpu_loras = self.max_cpu_loras
+        if cpu_loras is not None and (not isinstance(cpu_loras, int) or isinstance(cpu_loras, bool)
+                                      or cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be None or an integer >= max_loras={self.max_loras}, "
+                             f"got {cpu_loras!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not self.cpu_kvcache_space_gib > 0:
+            raise ValueError(f"cpu_kvcache_space_gib must be > 0, got {self.cpu_kvcache_space_gib}")
+        for name, allowed in (("dtype", ("auto", *DTYPES)), ("kv_cache_dtype", ("auto", *KV_CACHE_DTYPES)),
+                              ("device", DEVICES), ("load_format", LOAD_FORMATS), ("attention_backend", ATTENTION_BACKENDS),
+                              ("generation_config", ("auto", "vllm")), ("quantization", (None, "fp8")),
+                              ("logprobs_mode", ("raw_logprobs", "processed_logprobs")),
+                              ("distributed_executor_backend", ("mp", "ray"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
+        if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError('distributed_executor_backend="ray" needs Ray: pip install "nanovllm[ray]"')
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is available; use device='cpu' or 'auto'")
+        gpus = self.tensor_parallel_size * self.data_parallel_size
+        on_gpu = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+        if on_gpu and gpus > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size="
+                             f"{self.data_parallel_size} needs {gpus} GPUs, but {torch.cuda.device_count()} are visible")
+

@@ -1,0 +1,284 @@
+"""The experts of a mixture-of-experts layer (SwiGLU experts, as Qwen3-MoE's and Mixtral's) as two
+Triton GEMMs: h = silu(x W_gate^T) * (x W_up^T) per token-expert pair, then each token's routing-
+weighted sum over its top-k experts of h W_down^T. fused_experts picks one of two paths by size.
+
+Pairs (few tokens: a decode step of a few sequences): one program per (pair, output tile) for the
+gate/up product and per (token, output tile) for the down product, which loops over the token's
+experts and sums their products in registers: no sort, no padding, no intermediate [pairs,
+hidden] tensor, two launches (with programmatic dependent launch, pdl.py, as the GEMVs). Each
+pair reads its expert's weights, so an expert chosen by two of the step's tokens is read twice
+(from L2 the second time, when the two run together): a cost that grows with the batch, which
+is why larger steps take the other path.
+
+Sorted (more tokens; vLLM's fused_moe design): the pairs are grouped by expert and padded to
+tiles of BLOCK_M rows (moe_routing.moe_align_block_size); each program of a grouped GEMM takes one
+tile, whose pairs share one expert, and multiplies on the tensor cores (tl.dot), reading that
+expert's weights once per tile. The down GEMM multiplies each pair's routing weight into its
+row; a sum over each token's top_k rows ends it. Programs of tiles past the padded count return
+at once, so the grid is sized by the token count alone and CUDA graphs capture it.
+
+Weights: w13 [E, 2N, H] ([gate | up] rows of each expert, N = this rank's share of the expert's
+intermediate size) and w2 [E, H, N], in the model dtype, or float8 e4m3 with a float32 scale per
+output row (w13_scale [E, 2N], w2_scale [E, H]) widened to the activations' dtype in registers.
+Tiles come from MoEConfig; default_config picks them by the step's size (benchmarks/moe.py
+measures the candidates).
+"""
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.moe_routing import max_padded_slots, moe_align_block_size
+from nanovllm.kernels.pdl import pdl_args, pdl_start
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """How fused_experts runs. pairs: the pair path (else sorted). block_m, block_n, block_k,
+    group_m, num_warps, num_stages: the sorted path's tiles (group_m tiles along M share their
+    weight tiles' columns in L2 before moving along N). pair_n, pair_k, pair_warps: the pair
+    path's weight rows per program and K step (None: the product's whole K, up to 2048, in one
+    step), for the gate/up and the down product alike. The pair path's defaults follow the
+    one-row GEMV's measured tiling (gemv.gemv_config: 4 rows, all of K <= 3072 in one step, a
+    grid that leaves room on every SM), with 8 warps for gate/up's two accumulators."""
+    pairs: bool = False
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    pair_n: int = 4
+    pair_k: int | None = None
+    pair_warps: int = 8
+
+
+PAIRS_MAX_TOKENS = 4  # up to this many tokens the pair path; to be revisited with benchmarks/moe.py
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
+    """The tiles for a step of num_tokens tokens: the pair path for a few tokens; then tiles that
+    grow with the pairs per expert (num_tokens * top_k / num_experts), small M tiles while
+    experts get a few rows each (decode), large ones for prefill (vLLM's untuned defaults' shapes;
+    3 stages: 120 KB of shared memory for gate/up's tiles in bf16, within an A100's). Not yet
+    measured on a GPU: benchmarks/moe.py --sweep prints the fastest per size."""
+    if num_tokens <= PAIRS_MAX_TOKENS:
+        return MoEConfig(pairs=True)
+    per_expert = num_tokens * top_k / num_experts
+    if per_expert <= 16:
+        return MoEConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3)
+    if per_expert <= 64:
+        return MoEConfig(block_m=32, block_n=64, block_k=128, group_m=4, num_warps=4, num_stages=3)
+    return MoEConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _silu_mul(gate, up):
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
+def moe_gate_up_pairs_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, N, K, TOP_K: tl.constexpr,
+                             HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Grid (num_pairs, cdiv(N, BLOCK_N)): h[p, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]) for
+    pair p = t * TOP_K + j of expert e = ids[p], over this program's BLOCK_N columns n; x [T, K],
+    w [E, 2N, K], h [num_pairs, N]; products summed in float32 (as a GEMV: one row)."""
+    pdl_start(PDL)
+    pair, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (pair // TOP_K).to(tl.int64) * K + rk
+    gate_ptrs = w_ptr + expert * 2 * N * K + rn[:, None] * K + rk[None, :]
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs + k, mask=rk + k < K, other=0.0).to(tl.float32)[None, :]
+        mask = (rn[:, None] < N) & (rk[None, :] + k < K)
+        acc_gate += tl.load(gate_ptrs + k, mask=mask, other=0.0).to(tl.float32) * x
+        acc_up += tl.load(gate_ptrs + N * K + k, mask=mask, other=0.0).to(tl.float32) * x
+    gate, up = tl.sum(acc_gate, 1), tl.sum(acc_up, 1)
+    if HAS_SCALE:
+        gate *= tl.load(scale_ptr + expert * 2 * N + rn, mask=rn < N, other=0.0)
+        up *= tl.load(scale_ptr + expert * 2 * N + N + rn, mask=rn < N, other=0.0)
+    tl.store(h_ptr + pair.to(tl.int64) * N + rn, _silu_mul(gate, up).to(h_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def moe_down_pairs_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr, out_stride, N, K,
+                          TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PDL: tl.constexpr):
+    """Grid (T, cdiv(N, BLOCK_N)): out[t, n] = sum_j weights[t, j] * (h[t * TOP_K + j] . down_e[n])
+    for e = ids[t, j]; h [T * TOP_K, K], w [E, N, K], out [T, N] (rows out_stride apart), all
+    sums in float32, the top-k sum in a fixed order."""
+    pdl_start(PDL)
+    token, pid_n = tl.program_id(0), tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = token.to(tl.int64) * TOP_K + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        w_ptrs = w_ptr + expert * N * K + rn[:, None] * K + rk[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            h = tl.load(h_ptr + pair * K + k + rk, mask=rk + k < K, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs + k, mask=(rn[:, None] < N) & (rk[None, :] + k < K), other=0.0).to(tl.float32)
+            acc += w * h[None, :]
+        y = tl.sum(acc, 1)
+        if HAS_SCALE:
+            y *= tl.load(scale_ptr + expert * N + rn, mask=rn < N, other=0.0)
+        total += y * tl.load(weights_ptr + pair)
+    tl.store(out_ptr + token.to(tl.int64) * out_stride + rn, total.to(out_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def _tile(N, num_m_tiles, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's (tile along M, tile along N): GROUP_M consecutive programs take GROUP_M tiles
+    along M of one column of N tiles, so that they share that column's weight tiles in L2."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size = tl.minimum(num_m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size
+    pid_n = (pid % (GROUP_M * num_n)) // size
+    return pid_m, pid_n
+
+
+@triton.jit
+def moe_gate_up_kernel(x_ptr, w_ptr, scale_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, h_ptr, N, K,
+                       num_pairs, num_m_tiles, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grid (num_m_tiles * cdiv(N, BLOCK_N),): the tile of pairs sorted_ids[m * BLOCK_M:][:BLOCK_M]
+    (one expert, expert_ids[m]; slots holding num_pairs are padding), h[pair, n] = silu(x[t] .
+    gate_e[n]) * (x[t] . up_e[n]) for its BLOCK_N columns; x [T, K], w [E, 2N, K], h [num_pairs,
+    N]. Tensor-core products (float32: IEEE, not TF32), accumulated in float32."""
+    pid_m, pid_n = _tile(N, num_m_tiles, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # a tile past the pairs (the grid is sized for the most)
+        return
+    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (pairs // TOP_K).to(tl.int64)[:, None] * K + rk[None, :]
+    gate_ptrs = w_ptr + expert * 2 * N * K + rn[None, :] * K + rk[:, None]  # [BLOCK_K, BLOCK_N]
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs + k, mask=valid[:, None] & (rk[None, :] + k < K), other=0.0)
+        mask = (rk[:, None] + k < K) & (rn[None, :] < N)
+        gate = tl.load(gate_ptrs + k, mask=mask, other=0.0).to(x.dtype)
+        up = tl.load(gate_ptrs + N * K + k, mask=mask, other=0.0).to(x.dtype)
+        acc_gate = tl.dot(x, gate, acc_gate, input_precision="ieee" if IEEE else None)
+        acc_up = tl.dot(x, up, acc_up, input_precision="ieee" if IEEE else None)
+    if HAS_SCALE:
+        acc_gate *= tl.load(scale_ptr + expert * 2 * N + rn, mask=rn < N, other=0.0)[None, :]
+        acc_up *= tl.load(scale_ptr + expert * 2 * N + N + rn, mask=rn < N, other=0.0)[None, :]
+    h = _silu_mul(acc_gate, acc_up).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + pairs.to(tl.int64)[:, None] * N + rn[None, :], h, mask=valid[:, None] & (rn[None, :] < N))
+
+
+@triton.jit
+def moe_down_kernel(h_ptr, w_ptr, scale_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, weights_ptr, y_ptr,
+                    N, K, num_pairs, num_m_tiles, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grid (num_m_tiles * cdiv(N, BLOCK_N),): for the tile of pairs as in moe_gate_up_kernel,
+    y[pair, n] = weights[pair] * (h[pair] . down_e[n]); h [num_pairs, K], w [E, N, K], weights
+    [num_pairs] float32, y [num_pairs, N]."""
+    pid_m, pid_n = _tile(N, num_m_tiles, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # a tile past the pairs (the grid is sized for the most)
+        return
+    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * K + rk[None, :]
+    w_ptrs = w_ptr + expert * N * K + rn[None, :] * K + rk[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        h = tl.load(h_ptrs + k, mask=valid[:, None] & (rk[None, :] + k < K), other=0.0)
+        w = tl.load(w_ptrs + k, mask=(rk[:, None] + k < K) & (rn[None, :] < N), other=0.0).to(h.dtype)
+        acc = tl.dot(h, w, acc, input_precision="ieee" if IEEE else None)
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + expert * N + rn, mask=rn < N, other=0.0)[None, :]
+    acc *= tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
+    tl.store(y_ptr + pairs.to(tl.int64)[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=valid[:, None] & (rn[None, :] < N))
+
+
+def _pair_k(config: MoEConfig, k: int) -> int:
+    return config.pair_k or min(triton.next_power_of_2(k), 2048)
+
+
+def gate_up_pairs(x, w13, w13_scale, topk_ids, config: MoEConfig, out=None) -> torch.Tensor:
+    """The pair path's first GEMM: h [num_pairs, N] in x's dtype (see moe_gate_up_pairs_kernel)."""
+    num_pairs, n = topk_ids.numel(), w13.size(1) // 2
+    h = out if out is not None else torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
+    moe_gate_up_pairs_kernel[(num_pairs, triton.cdiv(n, config.pair_n))](
+        x, w13, w13_scale, topk_ids, h, n, x.size(1), TOP_K=topk_ids.size(1), HAS_SCALE=w13_scale is not None,
+        BLOCK_N=config.pair_n, BLOCK_K=_pair_k(config, x.size(1)), num_warps=config.pair_warps, **pdl_args(x.device))
+    return h
+
+
+def down_pairs(h, w2, w2_scale, topk_ids, topk_weights, out, config: MoEConfig) -> torch.Tensor:
+    """The pair path's second GEMM with the top-k sum: out [T, H] (rows may be strided)."""
+    num_tokens, hidden = out.shape
+    moe_down_pairs_kernel[(num_tokens, triton.cdiv(hidden, config.pair_n))](
+        h, w2, w2_scale, topk_ids, topk_weights, out, out.stride(0), hidden, h.size(1), TOP_K=topk_ids.size(1),
+        HAS_SCALE=w2_scale is not None, BLOCK_N=config.pair_n, BLOCK_K=_pair_k(config, h.size(1)),
+        num_warps=config.pair_warps, **pdl_args(h.device))
+    return out
+
+
+def _sorted_launch(kernel, n: int, num_pairs: int, num_experts: int, config: MoEConfig, *args, **constexprs):
+    m_tiles = triton.cdiv(max_padded_slots(num_pairs, num_experts, config.block_m), config.block_m)
+    kernel[(m_tiles * triton.cdiv(n, config.block_n),)](
+        *args, num_pairs, m_tiles, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages, **constexprs)
+
+
+def gate_up_sorted(x, w13, w13_scale, topk_ids, align, config: MoEConfig, out=None) -> torch.Tensor:
+    """The sorted path's first GEMM: h [num_pairs, N] in x's dtype; align: moe_align_block_size's
+    output for config.block_m."""
+    num_pairs, (num_experts, n2, _) = topk_ids.numel(), w13.shape
+    h = out if out is not None else torch.empty(num_pairs, n2 // 2, dtype=x.dtype, device=x.device)
+    _sorted_launch(moe_gate_up_kernel, n2 // 2, num_pairs, num_experts, config, x, w13, w13_scale, *align, h, n2 // 2,
+                   x.size(1), TOP_K=topk_ids.size(1), HAS_SCALE=w13_scale is not None, IEEE=x.dtype == torch.float32)
+    return h
+
+
+def down_sorted(h, w2, w2_scale, topk_weights, align, config: MoEConfig, out=None) -> torch.Tensor:
+    """The sorted path's second GEMM: y [num_pairs, H] in h's dtype, each row times its pair's
+    routing weight (the top-k sum is left to the caller)."""
+    (num_pairs, k), (num_experts, hidden, _) = h.shape, w2.shape
+    y = out if out is not None else torch.empty(num_pairs, hidden, dtype=h.dtype, device=h.device)
+    _sorted_launch(moe_down_kernel, hidden, num_pairs, num_experts, config, h, w2, w2_scale, *align, topk_weights, y,
+                   hidden, k, HAS_SCALE=w2_scale is not None, IEEE=h.dtype == torch.float32)
+    return y
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None, config: MoEConfig | None = None) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])) for e = topk_ids[t, j]:
+    x [T, H] (bf16, fp16 or float32, contiguous); w13 [E, 2N, H], w2 [E, H, N] in x's dtype, or
+    float8 e4m3 with w13_scale [E, 2N] and w2_scale [E, H] float32; topk_weights [T, k] float32,
+    topk_ids [T, k] int32 (moe_routing.moe_topk's output). Returns [T, H] in x's dtype, written to
+    out when given (rows may be strided: a tensor-parallel partial-sums buffer). config: the path
+    and tiles (default_config(T, k, E) when None)."""
+    num_tokens, hidden = x.shape
+    config = config or default_config(num_tokens, topk_ids.size(1), w13.size(0))
+    out = out if out is not None else torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    if config.pairs:
+        h = gate_up_pairs(x, w13, w13_scale, topk_ids, config)
+        return down_pairs(h, w2, w2_scale, topk_ids, topk_weights, out, config)
+    align = moe_align_block_size(topk_ids, w13.size(0), config.block_m)
+    h = gate_up_sorted(x, w13, w13_scale, topk_ids, align, config)
+    y = down_sorted(h, w2, w2_scale, topk_weights, align, config)
+    return torch.sum(y.view(num_tokens, topk_ids.size(1), hidden), 1, out=out)

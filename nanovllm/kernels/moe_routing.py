@@ -1,0 +1,108 @@
+"""A mixture-of-experts layer's routing on the GPU: each token's top-k experts from the router's
+logits (moe_topk: softmax, top-k, renormalisation in one kernel, where torch takes four), and the
+token-expert pairs grouped by expert in tiles of BLOCK_M rows for the grouped GEMMs of
+fused_moe.py (moe_align_block_size, vLLM's name for the same layout).
+
+Pair p = t * top_k + j is token t's j-th choice. moe_align_block_size lays the pairs out expert by
+expert, each expert's run padded up to a whole tile with the sentinel num_pairs, so that every
+tile of BLOCK_M slots holds pairs of one expert: a GEMM program reads that expert's weights once
+for up to BLOCK_M rows. Every size is bounded by the token count alone (at most
+num_pairs + min(num_experts, num_pairs) * (BLOCK_M - 1) slots), so a CUDA graph captures it.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.pdl import pdl_args, pdl_start
+
+
+@triton.jit
+def moe_topk_kernel(logits_ptr, stride, weights_ptr, ids_ptr, E, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Grid (num_tokens,): a token's softmax over its E logits (float32), its TOP_K largest
+    probabilities (ties to the lower expert id) in descending order, divided by their sum with
+    RENORMALIZE; weights [num_tokens, TOP_K] float32, ids [num_tokens, TOP_K] int32."""
+    pdl_start(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + row * stride + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = tl.where(offs < E, p / tl.sum(p, 0), -1.0)  # padding below every probability
+    slots = tl.arange(0, BLOCK_K)
+    values = tl.zeros([BLOCK_K], tl.float32)
+    ids = tl.zeros([BLOCK_K], tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        expert = tl.min(tl.where(p == best, offs, BLOCK_E), 0)
+        values = tl.where(slots == j, best, values)
+        ids = tl.where(slots == j, expert, ids)
+        p = tl.where(offs == expert, -2.0, p)
+    if RENORMALIZE:
+        values = values / tl.sum(values, 0)
+    tl.store(weights_ptr + row * TOP_K + slots, values, mask=slots < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + slots, ids, mask=slots < TOP_K)
+
+
+def moe_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [num_tokens, num_experts] (any float dtype; rows may be strided) -> (weights
+    [num_tokens, top_k] float32, ids [num_tokens, top_k] int32): softmax in float32, the top_k
+    largest, renormalised to sum to 1 with `renormalize` (Qwen3-MoE's norm_topk_prob, Mixtral)."""
+    num_tokens, num_experts = router_logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if num_tokens:
+        moe_topk_kernel[(num_tokens,)](router_logits, router_logits.stride(0), weights, ids, num_experts, TOP_K=top_k,
+                                       RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
+                                       BLOCK_K=triton.next_power_of_2(top_k), num_warps=1,
+                                       **pdl_args(router_logits.device))
+    return weights, ids
+
+
+@triton.jit
+def moe_align_kernel(order_ptr, bounds_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_pairs, E,
+                     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Grid (E,): program e writes expert e's run of the layout. order [num_pairs]: the pairs
+    sorted by expert; bounds [E + 1]: where each expert's pairs start in order (bounds[E] =
+    num_pairs). Expert e's run starts after the earlier experts' runs, each padded to a multiple
+    of BLOCK_M; its tiles get e in expert_ids; program 0 writes the total to num_padded."""
+    e = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    counts = tl.load(bounds_ptr + offs + 1, mask=offs < E, other=0) - tl.load(bounds_ptr + offs, mask=offs < E, other=0)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    run = tl.sum(tl.where(offs < e, padded, 0), 0)  # where expert e's run starts
+    start = tl.load(bounds_ptr + e)
+    count = tl.load(bounds_ptr + e + 1) - start
+    rows = tl.arange(0, BLOCK_M)
+    for i in range(0, tl.cdiv(count, BLOCK_M)):
+        j = i * BLOCK_M + rows
+        pairs = tl.load(order_ptr + start + j, mask=j < count, other=num_pairs)
+        tl.store(sorted_ids_ptr + run + j, pairs.to(tl.int32))
+        tl.store(expert_ids_ptr + run // BLOCK_M + i, e)
+    if e == 0:
+        tl.store(num_padded_ptr, tl.sum(padded, 0))
+
+
+def max_padded_slots(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The most slots moe_align_block_size can fill: each expert that has a pair pads its run by
+    at most block_m - 1."""
+    return num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
+                         block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [num_tokens, top_k] (int32 or int64, each in [0, num_experts)) -> (sorted_ids
+    [max_padded_slots] int32: the pairs expert by expert, each expert's run padded to a multiple
+    of block_m with num_pairs; expert_ids [max_padded_slots / block_m] int32: each tile's expert;
+    num_padded [1] int32: the slots in use, a multiple of block_m). Slots and tiles past
+    num_padded hold garbage: the GEMMs stop there. A stable sort, then one kernel; no host sync."""
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    experts, order = torch.sort(flat, stable=True)
+    bounds = torch.searchsorted(experts, torch.arange(num_experts + 1, device=flat.device, dtype=experts.dtype))
+    slots = max_padded_slots(num_pairs, num_experts, block_m)
+    sorted_ids = torch.empty(slots, dtype=torch.int32, device=flat.device)
+    expert_ids = torch.empty(triton.cdiv(slots, block_m), dtype=torch.int32, device=flat.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
+    moe_align_kernel[(num_experts,)](order, bounds, sorted_ids, expert_ids, num_padded, num_pairs, num_experts,
+                                     BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_M=block_m, num_warps=1)
+    return sorted_ids, expert_ids, num_padded

@@ -1,0 +1,73 @@
+"""A mixture-of-experts layer's experts, stacked (FusedMoE), and its router's choice of experts
+(select_experts).
+
+FusedMoE holds every expert's SwiGLU weights in two tensors, w13_weight [E, 2N, H] (each
+expert's gate rows, then its up rows) and w2_weight [E, H, N], which the kernels index by expert.
+With tensor parallelism each rank holds N = intermediate_size / tp_size of every expert's
+intermediate dimension (Megatron-LM's split of a dense MLP, per expert), so the layer's output is
+this rank's partial sums, which the next norm sums over the ranks as it sums a RowParallelLinear's.
+Its method (moe_method.py) computes the product and decides what the weights are once loaded.
+"""
+import torch
+from torch import nn
+
+from nanovllm.distributed.state import TensorParallel
+from nanovllm.layers.moe_method import MoEMethod, uses_kernels
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int,
+                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts as transformers' routers choose them (Qwen3-MoE, Mixtral): softmax of
+    the router's logits [T, E] (computed in the model dtype) in float32, the top_k largest
+    probabilities, divided by their sum with `renormalize` (norm_topk_prob; Mixtral always).
+    Returns (topk_weights [T, top_k] float32, topk_ids [T, top_k] int32), largest first. On CUDA one
+    kernel (kernels/moe_routing.moe_topk); the weights stay float32 where transformers' Qwen3-MoE
+    rounds them to the model dtype."""
+    if uses_kernels(router_logits):
+        from nanovllm.kernels.moe_routing import moe_topk
+        return moe_topk(router_logits, top_k, renormalize)
+    weights, ids = torch.softmax(router_logits, -1, dtype=torch.float32).topk(top_k, -1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+class FusedMoE(nn.Module):
+    """num_experts SwiGLU experts of intermediate_size each over hidden_size features, top_k per
+    token. forward(x [T, H], topk_weights [T, top_k] float32, topk_ids [T, top_k] int32, out) ->
+    [T, H] in x's dtype: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) (this rank's
+    partial sums with tensor parallelism), written to out when given."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, tp: TensorParallel,
+                 quant_method: MoEMethod | None = None):
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
+        self.quant_method = quant_method or MoEMethod()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.tp_rank, self.tp_size = tp.rank, tp.size
+        self.intermediate_size = intermediate_size // tp.size  # this rank's share of each expert's
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
+        for param in (self.w13_weight, self.w2_weight):
+            param.weight_loader = self.weight_loader
+        self.register_buffer("w13_weight_scale", None)
+        self.register_buffer("w2_weight_scale", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple[int | None, int]):
+        """Copy this rank's slice of one expert's checkpoint weight into `param`. shard = (shard_id,
+        expert): shard_id 0 or 1 for its gate or up projection [intermediate_size, H] (into
+        w13_weight), None for its down projection [H, intermediate_size] (into w2_weight)."""
+        shard_id, expert = shard
+        n, dim = self.intermediate_size, 1 if shard_id is None else 0
+        full = (param.size(1), n * self.tp_size) if shard_id is None else (n * self.tp_size, param.size(2))
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is out of range: the config has num_experts={self.num_experts}")
+        if tuple(loaded.shape) != full:
+            raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {full}")
+        rows = param.data[expert] if shard_id is None else param.data[expert].narrow(0, shard_id * n, n)
+        rows.copy_(loaded.narrow(dim, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.quant_method.apply(self, x, topk_weights, topk_ids, out)

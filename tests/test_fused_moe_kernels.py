@@ -1,0 +1,160 @@
+"""The mixture-of-experts kernels (kernels/moe_routing.py, kernels/fused_moe.py) in Triton's
+interpreter (on CUDA where there is one) at small awkward sizes, against float64 references:
+top-k routing, the expert-sorted layout, and both GEMM paths stage by stage with their outputs
+poisoned (NaN) first, so a row a kernel fails to write shows. Experts with no token, one token,
+and more tokens than a tile; hidden and intermediate sizes that no tile divides; float8 weights."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+from nanovllm.kernels.fp8 import quantize_fp8  # noqa: E402
+from nanovllm.kernels.fused_moe import (MoEConfig, down_pairs, down_sorted, fused_experts, gate_up_pairs,  # noqa: E402
+                                        gate_up_sorted)
+from nanovllm.kernels.moe_routing import moe_align_block_size, moe_topk  # noqa: E402
+from nanovllm.layers.moe_method import torch_experts  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+UNIT_ROUNDOFF = {torch.float32: 2**-24, torch.float16: 2**-11, torch.bfloat16: 2**-8}
+PAIRS = MoEConfig(pairs=True, pair_n=16, pair_k=32)
+SORTED = [MoEConfig(block_m=16, block_n=32, block_k=32, group_m=1), MoEConfig(block_m=16, block_n=16, block_k=16,
+                                                                             group_m=3)]
+
+
+def routing(num_tokens, num_experts, top_k, seed):
+    """Distinct experts per token; expert 1 never chosen, expert 0 by every token (more than a
+    tile of 16 rows once num_tokens > 16), the rest at random."""
+    g = torch.Generator().manual_seed(seed)
+    others = [e for e in range(2, num_experts)]
+    ids = torch.tensor([[0] + [others[i] for i in torch.randperm(len(others), generator=g)[:top_k - 1]]
+                        for _ in range(num_tokens)], dtype=torch.int32)
+    weights = torch.rand(num_tokens, top_k, generator=g) + 0.1
+    return (weights / weights.sum(-1, keepdim=True)).to(DEVICE), ids.to(DEVICE)
+
+
+def problem(num_tokens, num_experts, top_k, hidden, inter, dtype, fp8=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=g).to(DEVICE, dtype)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) * inter**-0.5
+    scales = (None, None)
+    if fp8:
+        (w13, s13), (w2, s2) = quantize_fp8(w13), quantize_fp8(w2)
+        scales = (s13.to(DEVICE), s2.to(DEVICE))
+    else:
+        w13, w2 = w13.to(dtype), w2.to(dtype)
+    return x, w13.to(DEVICE), w2.to(DEVICE), scales, *routing(num_tokens, num_experts, top_k, seed)
+
+
+def reference(x, w13, w2, scales, weights, ids):
+    """(h [pairs, N], out [T, H]) in float64 and the sums of the magnitudes of their terms, the
+    scale of the error of any order of float sums (for the tolerance); expert by expert, so that
+    it fits at any size."""
+    (t, k), inter = ids.shape, w2.size(-1)
+    h = torch.empty(t * k, inter, dtype=torch.float64, device=x.device)
+    h_abs = torch.empty_like(h)
+    terms = torch.empty(t * k, x.size(1), dtype=torch.float64, device=x.device)
+    terms_abs = torch.empty_like(terms)
+    flat = ids.reshape(-1).long()
+    for expert in flat.unique().tolist():
+        pairs = (flat == expert).nonzero()[:, 0]
+        w_gate_up, w_down = w13[expert].double(), w2[expert].double()
+        if scales[0] is not None:
+            w_gate_up, w_down = w_gate_up * scales[0][expert, :, None], w_down * scales[1][expert, :, None]
+        xs = x[pairs // k].double()
+        gate, up = (xs @ w_gate_up.t()).chunk(2, -1)
+        gate_abs, up_abs = (xs.abs() @ w_gate_up.abs().t()).chunk(2, -1)
+        h[pairs] = F.silu(gate) * up
+        h_abs[pairs] = (F.silu(gate).abs() + gate_abs) * up_abs  # |silu(g)| and its error's growth: |silu'| <= 1.1
+        weight = weights.reshape(-1, 1)[pairs].double()
+        terms[pairs] = weight * (h[pairs] @ w_down.t())
+        terms_abs[pairs] = weight * (h_abs[pairs] @ w_down.abs().t())
+    return h, h_abs, terms.view(t, k, -1).sum(1), terms_abs.view(t, k, -1).sum(1)
+
+
+def assert_close(got, want, magnitude, dtype, accumulated):
+    """Each value within (3 roundings to dtype + `accumulated` float32 additions) of the terms'
+    magnitudes: the rounding of h, of each expert's output and of the sum, and the float32
+    accumulation over the products' K."""
+    bound = (3 * UNIT_ROUNDOFF[dtype] + accumulated * 2**-24) * magnitude + 1e-30
+    err = (got.double() - want).abs()
+    assert torch.isfinite(got).all() and (err <= bound).all(), (err / bound).max().item()
+
+
+def poisoned(*shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def test_moe_topk_matches_torch():
+    g = torch.Generator().manual_seed(0)
+    for num_experts, top_k, dtype in ((6, 1, torch.float32), (7, 3, torch.float16), (128, 8, torch.float32)):
+        logits = (torch.randn(9, num_experts + 5, generator=g) * 3).to(DEVICE, dtype)[:, 5:]  # strided rows
+        for renormalize in (False, True):
+            weights, ids = moe_topk(logits, top_k, renormalize)
+            ref_w, ref_ids = torch.softmax(logits.double(), -1).topk(top_k, -1)
+            if renormalize:
+                ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+            assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+            assert torch.equal(ids.long(), ref_ids)
+            torch.testing.assert_close(weights.double(), ref_w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("num_tokens,block_m", [(1, 16), (5, 4), (37, 16)])
+def test_moe_align_block_size_groups_pairs_by_expert(num_tokens, block_m):
+    """Every pair in exactly one slot, each tile's pairs of its expert, runs padded to whole tiles
+    with the sentinel num_pairs, unused experts (1, 7) given no tile."""
+    _, ids = routing(num_tokens, 8, 3, seed=num_tokens)
+    ids[ids == 7] = 6
+    sorted_ids, expert_ids, num_padded = moe_align_block_size(ids, 8, block_m)
+    flat, pairs = ids.reshape(-1).cpu(), ids.numel()
+    counts = torch.bincount(flat.long(), minlength=8)
+    assert num_padded.item() == sum(-(-c // block_m) * block_m for c in counts.tolist())
+    slots = sorted_ids[:num_padded.item()].cpu().view(-1, block_m)
+    assert sorted(slots[slots < pairs].tolist()) == list(range(pairs))
+    assert ((slots < pairs) | (slots == pairs)).all()
+    tiles = expert_ids[:slots.size(0)].cpu()
+    for tile, expert in zip(slots, tiles.tolist()):
+        assert (flat[tile[tile < pairs].long()] == expert).all() and (tile < pairs).any()
+    assert set(tiles.tolist()) == {e for e in range(8) if counts[e] > 0}
+
+
+CASES = [  # (num_tokens, num_experts, top_k, hidden, intermediate)
+    (1, 4, 2, 48, 40), (3, 7, 3, 33, 20), (37, 6, 2, 64, 48)]
+
+
+@pytest.mark.parametrize("dtype,fp8", [(torch.float32, False), (torch.float16, False), (torch.float16, True)])
+@pytest.mark.parametrize("case", CASES)
+def test_both_paths_stage_by_stage(case, dtype, fp8):
+    num_tokens, num_experts, top_k, hidden, inter = case
+    x, w13, w2, (s13, s2), weights, ids = problem(*case, dtype, fp8)
+    h_ref, h_abs, out_ref, out_abs = reference(x, w13, w2, (s13, s2), weights, ids)
+    pairs = num_tokens * top_k
+    configs = ([PAIRS] if num_tokens <= 3 else []) + SORTED
+    for config in configs:
+        h = poisoned(pairs, inter, dtype=dtype)
+        out = poisoned(num_tokens, hidden + 3, dtype=dtype)[:, :hidden]  # rows strided, as a TP buffer may be
+        if config.pairs:
+            gate_up_pairs(x, w13, s13, ids, config, out=h)
+            assert_close(h, h_ref, h_abs, dtype, hidden)
+            down_pairs(h, w2, s2, ids, weights, out, config)
+        else:
+            align = moe_align_block_size(ids, num_experts, config.block_m)
+            gate_up_sorted(x, w13, s13, ids, align, config, out=h)
+            assert_close(h, h_ref, h_abs, dtype, hidden)
+            y = down_sorted(h, w2, s2, weights, align, config, out=poisoned(pairs, hidden, dtype=dtype))
+            torch.sum(y.view(num_tokens, top_k, hidden), 1, out=out)
+        assert_close(out, out_ref, out_abs, dtype, hidden + inter + top_k)
+
+
+@pytest.mark.parametrize("num_tokens", [2, 37])
+def test_fused_experts_and_the_torch_path(num_tokens):
+    """fused_experts with its default path for the size, and the engine's CPU path (torch_experts)
+    with model-dtype and float8 weights, against the reference."""
+    for fp8 in (False, True):
+        case = (num_tokens, 6, 2, 48, 24)
+        x, w13, w2, scales, weights, ids = problem(*case, torch.float32, fp8, seed=num_tokens)
+        _, _, out_ref, out_abs = reference(x, w13, w2, scales, weights, ids)
+        for run in (fused_experts, torch_experts):
+            out = run(x, w13, w2, weights, ids, *scales)
+            assert out.shape == x.shape and out.dtype == x.dtype
+            assert_close(out, out_ref, out_abs, torch.float32, 48 + 24 + 2)
