@@ -12,6 +12,10 @@ a float8 KV cache (the floor counts its bytes: one per value and a 4-byte scale 
 --quantization fp8: float8 weights in the linear layers (the floor counts one byte per weight, and
 the float8 GEMM's measured rate for every FLOP). The time LLM(...) takes to start is printed too,
 and the KV cache's size in tokens.
+--lora N --lora-rank R: N random PEFT LoRA adapters of rank R (on the --lora-targets projections,
+default all seven) written to a temporary directory, prompt i running adapter i % N; the engine
+gets enable_lora=True, max_loras=N, max_lora_rank=R (the floor is the base model's: compare
+tokens/s with the same command without --lora).
 
 The floor is a roofline lower bound (floor_seconds): per step of an ideal schedule, the larger of
 the bytes it must move (weights, KV read and written) at the measured device-to-device bandwidth
@@ -168,7 +172,34 @@ def weights_read_per_step(hf_config, quantization: str | None = None) -> StepWei
                        expert_bytes, len(experts), moe.num_experts, moe.top_k)
 
 
+def random_adapters(args, root: str) -> list:
+    """args.lora random PEFT adapters of rank args.lora_rank on args.lora_targets, saved under root
+    (bf16; A ~ N(0, 1 / in_features), B ~ N(0, 0.01^2)): their LoRARequests."""
+    from safetensors.torch import save_file
+    from nanovllm import LoRARequest
+    from nanovllm.loader.lora import PREFIX, lora_targets
+    from nanovllm.loader.source import read_hf_config, resolve_path
+    targets = lora_targets(read_hf_config(*resolve_path(args.model, args.load_format)))
+    requests = []
+    for i in range(args.lora):
+        g, path, tensors = torch.Generator().manual_seed(i), os.path.join(root, f"adapter{i}"), {}
+        for module, t in targets.items():
+            if module.rsplit(".", 1)[1] in args.lora_targets:
+                a = torch.randn(args.lora_rank, t.in_features, generator=g) / t.in_features ** 0.5
+                tensors[f"{PREFIX}{module}.lora_A.weight"] = a.bfloat16()
+                tensors[f"{PREFIX}{module}.lora_B.weight"] = (torch.randn(t.out_features, args.lora_rank, generator=g)
+                                                             * 0.01).bfloat16()
+        os.makedirs(path)
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "r": args.lora_rank, "lora_alpha": 2 * args.lora_rank,
+                       "target_modules": args.lora_targets}, f)
+        requests.append(LoRARequest(f"adapter{i}", i + 1, path))
+    return requests
+
+
 def run_nanovllm(args, prompts, max_tokens):
+    import tempfile
     from nanovllm import LLM, SamplingParams
     engine_args = dict(load_format=args.load_format, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -176,6 +207,11 @@ def run_nanovllm(args, prompts, max_tokens):
                        kvcache_block_size=args.kvcache_block_size, tensor_parallel_size=args.tensor_parallel_size,
                        data_parallel_size=args.data_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
                        quantization=args.quantization)
+    loras = [None] * len(prompts)
+    if args.lora:
+        adapters = random_adapters(args, tempfile.mkdtemp(prefix="nanovllm-bench-lora-"))
+        loras = [adapters[i % args.lora] for i in range(len(prompts))]
+        engine_args.update(enable_lora=True, max_loras=args.lora, max_lora_rank=args.lora_rank)
     t = time.perf_counter()
     llm = LLM(args.model, **engine_args)
     startup = time.perf_counter() - t
@@ -193,12 +229,14 @@ def run_nanovllm(args, prompts, max_tokens):
     # the warm-up generate: a short prompt (as nano-vllm's bench) for each data-parallel replica (the
     # router gives equal prompts to the least loaded one), or --warmup-seqs of the workload's prompts
     warm = prompts[:args.warmup_seqs] or [[1, 2, 3]] * args.data_parallel_size
-    llm.generate(warm, SamplingParams(max_tokens=16, **sampling), use_tqdm=False)
+    llm.generate(warm, SamplingParams(max_tokens=16, **sampling), use_tqdm=False, lora_request=loras[:len(warm)])
+    if args.lora:  # compiles the LoRA kernels' prefill tiles (steps of more than 128 adapter rows)
+        llm.generate([[1] * 300], SamplingParams(max_tokens=1), use_tqdm=False, lora_request=loras[0])
     times = []
     for _ in range(args.repeat):
         llm.reset_prefix_cache()  # every timed run prefills its prompts in full
         t = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=args.tqdm)
+        outputs = llm.generate(prompts, params, use_tqdm=args.tqdm, lora_request=loras)
         times.append(time.perf_counter() - t)
         assert [[len(c.token_ids) for c in o.outputs] for o in outputs] == [[m] * args.n for m in max_tokens]
     if args.repeat > 1:
@@ -206,25 +244,25 @@ def run_nanovllm(args, prompts, max_tokens):
     seconds = times[0]
     if args.profile:  # after the timed runs, so that they are not affected
         llm.reset_prefix_cache()
-        profile_steps(llm, prompts, params, args.profile, args.profile_skip)
+        profile_steps(llm, prompts, params, args.profile, args.profile_skip, loras)
     if args.step_stats:
         llm.reset_prefix_cache()
-        step_stats(llm, prompts, params)
+        step_stats(llm, prompts, params, loras)
     blocks = llm.engine.model_runner.num_kvcache_blocks if args.data_parallel_size == 1 else None
     return seconds, {"startup_seconds": round(startup, 2), "num_kvcache_blocks": blocks}
 
 
-def add_requests(engine, prompts, params):
-    for i, (prompt, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(f"bench-{i}", prompt, sp)
+def add_requests(engine, prompts, params, loras):
+    for i, (prompt, sp, lora) in enumerate(zip(prompts, params, loras)):
+        engine.add_request(f"bench-{i}", prompt, sp, lora)
 
 
-def profile_steps(llm, prompts, params, out_dir, skip):
+def profile_steps(llm, prompts, params, out_dir, skip, loras):
     """Chrome trace of 6 steps of the workload after `skip` steps (then the engine is reset)."""
     from torch.profiler import ProfilerActivity, profile
     os.makedirs(out_dir, exist_ok=True)
     engine = llm.engine
-    add_requests(engine, prompts, params)
+    add_requests(engine, prompts, params, loras)
     for _ in range(skip):
         engine.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -238,12 +276,12 @@ def profile_steps(llm, prompts, params, out_dir, skip):
     print(f"profile: {path}")
 
 
-def step_stats(llm, prompts, params):
+def step_stats(llm, prompts, params, loras):
     """Run the workload step by step and print where the wall time goes: prefill-carrying steps,
     and decode steps grouped by batch size, with the KV bytes they read and the time the host
     waits for the device's sampled tokens (near 0: the host, not the GPU, sets the pace)."""
     engine = llm.engine
-    add_requests(engine, prompts, params)
+    add_requests(engine, prompts, params, loras)
     kv_per_token = engine.model_runner.kv_spec.block_bytes // engine.model_runner.kv_spec.block_size
     runner, waited = engine.model_runner, [0.0]
     read_tokens = runner.read_tokens
@@ -341,13 +379,17 @@ def main():
     p.add_argument("--step-stats", action="store_true", help="print time per step kind and batch size")
     p.add_argument("--latency", action="store_true",
                    help="one sequence: 128-token prompt, 512 greedy tokens; prints ms per token")
+    p.add_argument("--lora", type=int, default=0, metavar="N", help="N random LoRA adapters spread over the prompts")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                         "up_proj", "down_proj"], help="the adapters' target modules")
     args = p.parse_args()
     if args.latency:
         args.num_seqs, args.temperature = 1, 0.0
         args.min_input_len = args.max_input_len = 128
         args.min_output_len = args.max_output_len = 512
-    if (args.n > 1 or args.kv_cache_dtype != "auto" or args.quantization) and args.engine != "nanovllm":
-        p.error("--n, --kv-cache-dtype and --quantization are for --engine nanovllm")
+    if (args.n > 1 or args.kv_cache_dtype != "auto" or args.quantization or args.lora) and args.engine != "nanovllm":
+        p.error("--n, --kv-cache-dtype, --quantization and --lora are for --engine nanovllm")
     if args.data_parallel_size > 1 and (args.profile or args.step_stats):
         p.error("--profile and --step-stats look inside one engine: use them with --data-parallel-size 1")
     if not torch.cuda.is_available():  # before nanovllm's imports (transformers' among them): at once
@@ -375,7 +417,8 @@ def main():
     result = {
         "engine": args.engine, "model": args.model, "device": torch.cuda.get_device_name(),
         "tensor_parallel_size": args.tensor_parallel_size, "data_parallel_size": args.data_parallel_size,
-        "kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization, "lora": args.lora,
+        "lora_rank": args.lora_rank if args.lora else None, "lora_targets": args.lora_targets if args.lora else None,
         "num_seqs": len(prompts) * args.n, "n": args.n, "prompt_tokens": sum(map(len, prompts)), "output_tokens": output_tokens,
         "seconds": round(seconds, 3), "tokens_per_s": round(output_tokens / seconds, 1),
         "bandwidth_tb_s": round(bandwidth / 1e12, 3), "matmul_tflop_s": round(flops / 1e12, 1),

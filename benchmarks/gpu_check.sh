@@ -4,7 +4,8 @@
 # parallel (two GPUs: TP/DP tests, tp_smoke.py, bench.py at TP 1/2 on Qwen3-8B and DP 1/2),
 # moe (one GPU: the MoE kernel and engine tests, benchmarks/moe.py, bench.py on Qwen3-30B-A3B:
 # default workload, one sequence, one sequence with float8 weights), moe-parallel (two GPUs:
-# bench.py on Qwen3-30B-A3B at TP 1 and 2).
+# bench.py on Qwen3-30B-A3B at TP 1 and 2), lora (LoRA's tests, its kernels' cost per layer,
+# bench.py with and without adapters: throughput and latency).
 set -uo pipefail
 out=${OUT:-gpu_logs}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0
@@ -24,6 +25,15 @@ if [[ $stage == parallel ]]; then
   for run in "tp1 --model qwen3-8b --tp 1" "tp2 --model qwen3-8b --tp 2" "dp1" "dp2 --dp 2"; do
     set -- $run
     python bench.py --json "$out/$1.json" "${@:2}" 2>&1 | grep -v Warn | tee "$out/$1.log" | tail -1
+  done
+fi
+if [[ $stage == lora ]]; then
+  python -m pytest -q tests/test_lora_kernels.py tests/test_lora_gpu.py 2>&1 | tee "$out/lora_tests.log" | tail -15
+  python benchmarks/lora_kernels.py 2>&1 | grep -v Warn | tee "$out/lora_kernels.log"
+  for run in "base" "lora8 --lora 8 --lora-rank 16" "latency --latency" "latency_lora1 --latency --lora 1 --lora-rank 16" \
+             "latency_lora1_qv --latency --lora 1 --lora-rank 16 --lora-targets q_proj v_proj"; do
+    set -- $run
+    python bench.py --json "$out/$1.json" "${@:2}" 2>&1 | grep -v Warn | tee "$out/$1.log" | tail -2
   done
 fi
 if [[ $stage == moe ]]; then

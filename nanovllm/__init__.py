@@ -3,7 +3,8 @@ from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.inputs import TextPrompt, TokensPrompt
 from nanovllm.llm import LLM
 from nanovllm.executor.llm_engine import LLMEngine
+from nanovllm.lora_request import LoRARequest
 from nanovllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
-           "TextPrompt", "TokensPrompt"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "LoRARequest", "SamplingParams", "RequestOutput",
+           "CompletionOutput", "Logprob", "TextPrompt", "TokensPrompt"]

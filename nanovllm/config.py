@@ -51,7 +51,8 @@ class Config(EngineArgs):
         resolved = dict(model=path, load_format=load_format, device=device, dtype=dtype,
                         kv_cache_dtype=_resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device, backend),
                         quantization=_resolve_quantization(args.quantization, hf_config, device),
-                        attention_backend=backend, max_model_len=_resolve_max_model_len(args.max_model_len, hf_config))
+                        attention_backend=backend, max_model_len=_resolve_max_model_len(args.max_model_len, hf_config),
+                        max_cpu_loras=args.max_cpu_loras or args.max_loras)
         return cls(**{f.name: getattr(args, f.name) for f in fields(EngineArgs)} | resolved, hf_config=hf_config,
                    tokenizer=tok, eos_token_ids=_eos_token_ids(hf_config, tok),
                    max_model_len_is_default=args.max_model_len is None,

@@ -50,6 +50,9 @@ class EngineArgs:
     or "ray" (actors on the Ray cluster, nanovllm/executor/ray_replicas.py).
     trust_remote_code: let transformers run the model folder's own Python code for its config and
     tokenizer (vLLM's meaning); the model itself must still be an architecture nanovllm implements.
+    enable_lora: serve PEFT LoRA adapters (generate(..., lora_request=...)); max_loras: adapters in
+    one step (their slots on the device); max_lora_rank: the largest adapter rank; max_cpu_loras:
+    adapters kept on the host (default max_loras, at least as many).
     """
     model: str
     max_num_seqs: int = 256
@@ -75,12 +78,16 @@ class EngineArgs:
     max_logprobs: int = 20
     distributed_executor_backend: str = "mp"
     trust_remote_code: bool = False
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def validate(self):
         """Raise ValueError naming the first argument that is wrong and what it allows (what needs
         the model, such as max_model_len against its positions, is Config.create's)."""
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size",
-                     "data_parallel_size"):
+                     "data_parallel_size", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -92,8 +99,14 @@ class EngineArgs:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {self.max_logprobs!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.trust_remote_code, bool):
-            raise ValueError(f"trust_remote_code must be True or False, got {self.trust_remote_code!r}")
+        for name in ("trust_remote_code", "enable_lora"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        cpu_loras = self.max_cpu_loras
+        if cpu_loras is not None and (not isinstance(cpu_loras, int) or isinstance(cpu_loras, bool)
+                                      or cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be None or an integer >= max_loras={self.max_loras}, "
+                             f"got {cpu_loras!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.cpu_kvcache_space_gib > 0:

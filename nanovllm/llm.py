@@ -9,6 +9,7 @@ from nanovllm.config import Config
 from nanovllm.engine_args import EngineArgs
 from nanovllm.engine.base import EngineBase
 from nanovllm.executor.llm_engine import LLMEngine, check_model
+from nanovllm.lora_request import LoRARequest
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -54,20 +55,21 @@ class LLM:
         generation_config="vllm"."""
         return SamplingParams(**self.config.generation_defaults)
 
-    def generate(self, prompts=None, sampling_params=None, use_tqdm: bool = True, *, lora_request=None,
+    def generate(self, prompts=None, sampling_params=None, use_tqdm: bool = True, *,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None,
                  prompt_token_ids=None) -> list[RequestOutput]:
         """Complete every prompt (strings, token-id lists, or {"prompt_token_ids": ...} dicts) with its
-        SamplingParams (one for all, or one per prompt; None: get_default_sampling_params()).
-        Returns one finished RequestOutput per prompt, in input order. prompt_token_ids: vLLM's
-        former keyword, the prompts as one token-id list or a list of them (instead of prompts).
+        SamplingParams (one for all, or one per prompt; None: get_default_sampling_params()) and
+        its LoRA adapter (lora_request: one for all, or one per prompt, None for the base model;
+        the engine needs enable_lora=True). Returns one finished RequestOutput per prompt, in input
+        order. prompt_token_ids: vLLM's former keyword, the prompts as one token-id list or a list
+        of them (instead of prompts).
 
         Raises ValueError("request i: ...") before any work if any request is invalid; then none of
         the call's requests run (the whole call is refused, so a batch never half-runs); TypeError
-        when sampling_params is neither a SamplingParams nor a list of them; NotImplementedError
-        for a lora_request (no LoRA adapters here). If an exception or KeyboardInterrupt
-        interrupts the call, its requests are dropped, their blocks freed, and the engine is ready
-        for the next call."""
-        _refuse_lora(lora_request)
+        when sampling_params is neither a SamplingParams nor a list of them. If an exception or
+        KeyboardInterrupt interrupts the call, its requests are dropped, their blocks freed, and
+        the engine is ready for the next call."""
         if prompt_token_ids is not None:
             if prompts is not None:
                 raise ValueError("pass the prompts once, as prompts or as prompt_token_ids (a {\"prompt\": text, "
@@ -77,13 +79,19 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         processor = self.engine.processor
+        pairs = processor.normalize(prompts, sampling_params)
+        if not isinstance(lora_request, (list, tuple)):
+            lora_request = [lora_request] * len(pairs)
+        elif len(lora_request) != len(pairs):
+            raise ValueError(f"got {len(lora_request)} lora_requests for {len(pairs)} prompts; pass one, "
+                             f"or one per prompt")
         requests = []
-        for i, (prompt, params) in enumerate(processor.normalize(prompts, sampling_params)):
+        for i, ((prompt, params), lora) in enumerate(zip(pairs, lora_request)):
             try:  # validate all before queuing any, tokenizing each prompt once
-                request = processor.make_request("", prompt, params)
+                request = processor.make_request("", prompt, params, lora)
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
-            requests.append(({"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}, params))
+            requests.append(({"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}, params, lora))
         with self._lock:
             return self._run(requests, use_tqdm)
 
@@ -92,8 +100,9 @@ class LLM:
         outputs: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         try:
-            for request_id, (prompt, params) in zip(ids, requests):
-                self.engine.add_request(request_id, prompt, replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
+            for request_id, (prompt, params, lora) in zip(ids, requests):
+                self.engine.add_request(request_id, prompt, replace(params, output_kind=RequestOutputKind.FINAL_ONLY),
+                                        lora)
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     outputs[out.request_id] = out
@@ -113,10 +122,10 @@ class LLM:
         schemas of functions) and chat_template_kwargs go to the template (e.g. {"enable_thinking":
         False} for Qwen3). A content may also be a list of OpenAI-style text parts ({"type": "text",
         "text": ...}), joined with newlines as vLLM does for templates that take strings.
+        lora_request: as generate's, one per conversation.
         ValueError when the model has no tokenizer or no chat template, a message is not a dict
         with "role" and "content" (some templates would drop it without a word), or a content
-        part is not text (no multimodal input here); NotImplementedError for a lora_request."""
-        _refuse_lora(lora_request)
+        part is not text (no multimodal input here)."""
         if self.tokenizer is None:
             raise ValueError("chat needs the model's tokenizer, and it has none")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -132,7 +141,7 @@ class LLM:
         # the template already holds the special tokens (e.g. BOS); encode must not add them again
         prompts = [{"prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False), "prompt": p}
                    for p in prompts]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (e.g. between benchmark runs); False while requests hold blocks."""
@@ -159,12 +168,6 @@ class LLM:
 
     def reward(self, *args, **kwargs):
         raise _pooling_unsupported("reward")
-
-
-def _refuse_lora(lora_request):
-    if lora_request is not None:
-        raise NotImplementedError("LoRA adapters (lora_request) are not supported; merge the adapter into the "
-                                  "model's weights (peft's merge_and_unload) and load the merged model")
 
 
 def _pooling_unsupported(method: str) -> NotImplementedError:

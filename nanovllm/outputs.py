@@ -97,6 +97,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    lora_request: object = None  # the LoRARequest it ran with, or None
     # None: no per-request timings are kept (as vLLM's LLM leaves it, whose disable_log_stats is on)
     metrics: None = None
 

@@ -1,6 +1,7 @@
 from enum import Enum, auto
 from itertools import count
 
+from nanovllm.lora_request import LoRARequest
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -20,12 +21,13 @@ class Sequence:
     num_computed_tokens (the tokens whose K/V are in the cache or computed by a launched step;
     the tokens after it are what the next step must run); the BlockManager block_table and
     num_hashed_blocks; the LLMEngine token_ids and the output state (stop_reason, logprobs,
-    detokenizer). index: which of its request's n completions this is.
+    detokenizer). index: which of its request's n completions this is; lora_request: the adapter
+    it runs with (None: the base model).
     """
     _ids = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, request_id: str | None = None,
-                 index: int = 0):
+                 index: int = 0, lora_request: LoRARequest | None = None):
         self.seq_id = next(Sequence._ids)
         self.request_id = str(self.seq_id) if request_id is None else request_id
         self.index = index
@@ -37,6 +39,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # leading blocks of block_table registered in the prefix cache
         self.sampling_params = sampling_params
+        self.lora_request = lora_request
+        self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.detokenizer = None  # an IncrementalDetokenizer when text is needed token by token

@@ -39,6 +39,22 @@ def test_floor_counts_the_lm_head_once_per_prompt():
     assert floor == prefill + sum(decode)
 
 
+def test_random_adapters_fit_qwen3_0_6b(tmp_path):
+    """bench.py --lora's adapters are PEFT adapters the engine accepts: two of rank 8 on q and v."""
+    from types import SimpleNamespace
+
+    from bench import random_adapters
+    from nanovllm.loader.lora import check_adapter, lora_targets
+    args = SimpleNamespace(model="Qwen/Qwen3-0.6B", load_format="dummy", lora=2, lora_rank=8,
+                           lora_targets=["q_proj", "v_proj"])
+    requests = random_adapters(args, str(tmp_path))
+    targets = lora_targets(_config("Qwen/Qwen3-0.6B"))
+    for request in requests:
+        info = check_adapter(request, targets, 8)
+        assert info.rank == 8 and info.scale == 2.0 and len(info.modules) == 2 * 28
+    assert [r.lora_int_id for r in requests] == [1, 2]
+
+
 def test_weights_of_qwen3_30b_a3b():
     """Qwen3-30B-A3B's published config: 48 sparse layers of 128 experts (2048 -> 2 x 768 -> 2048),
     8 per token. A step reads the dense weights (attention, routers, norms, the untied LM head)

@@ -85,7 +85,8 @@ def test_data_parallel_matches_one_replica(tiny_qwen3):
         llm.generate([[1, 2], []], GREEDY)
     assert llm.reset_prefix_cache()
     procs = llm.engine.procs
-    del llm, engine, dispatch, send
+    del llm, dispatch
+    engine = send = None  # the closure's names: released, as the engine must be for its replicas to exit
     gc.collect()
     assert all(p.exitcode == 0 for p in procs)
 

@@ -212,10 +212,6 @@ def test_unsupported_sampling_features_say_so(kwargs, names):
 
 def test_unsupported_llm_features_say_so(llm):
     from nanovllm.outputs import RequestOutput as Output
-    with pytest.raises(NotImplementedError, match="LoRA adapters .*lora_request.* not supported.*merge"):
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), lora_request=object())
-    with pytest.raises(NotImplementedError, match="LoRA adapters"):
-        llm.chat([{"role": "user", "content": "hi"}], lora_request=object())
     with pytest.raises(NotImplementedError, match=r"beam search \(LLM.beam_search\) is not supported.*n="):
         llm.beam_search([{"prompt": "a"}], None)
     for method in ("embed", "encode", "classify", "score", "reward"):

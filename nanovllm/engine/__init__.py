@@ -5,7 +5,7 @@ RequestOutputs; core.py's EngineCore runs steps: the Scheduler (scheduler.py) pi
 tokens within its budget, the BlockManager (block_manager.py) gives them paged KV blocks and
 prefix-cache hits, the ModelRunner (model_runner.py) plans the step's inputs (step_inputs.py),
 runs the forward (replaying cuda_graphs.py for decode) over the KV cache (kv_cache.py) and samples
-with its StepSampler (nanovllm/sampling); detokenizer.py grows the text token by token and
-stop_checker.py decides when a sequence ends. base.py is the interface that LLM drives, which the
-executors implement.
+with its StepSampler (nanovllm/sampling), with LoRA adapters in their slots (lora_manager.py);
+detokenizer.py grows the text token by token and stop_checker.py decides when a sequence ends.
+base.py is the interface that LLM drives, which the executors implement.
 """

@@ -10,9 +10,10 @@ class EngineBase(ABC):
     config: Config
 
     @abstractmethod
-    def add_request(self, request_id: str, prompt, params) -> None:
+    def add_request(self, request_id: str, prompt, params, lora_request=None) -> None:
         """Validate one request and queue it; ValueError (nothing queued) when it is invalid.
-        prompt: a string, a list of token ids, or {"prompt_token_ids": [...], "prompt": text}."""
+        prompt: a string, a list of token ids, or {"prompt_token_ids": [...], "prompt": text};
+        lora_request: the LoRARequest of the adapter it runs with, or None."""
 
     @abstractmethod
     def step(self) -> list[RequestOutput]:

@@ -1,8 +1,10 @@
 """Paged KV-cache blocks with reference counts and a prefix cache (vLLM's automatic prefix caching).
 
 A full block is identified by xxhash64 over (hash of the previous block, its token ids), so
-equal hashes mean equal prefixes; a hit is still checked against the block's stored token ids,
-so a hash collision is never served. A freed block keeps its hash (and stays findable) until
+equal hashes mean equal prefixes; a sequence that runs a LoRA adapter starts its chain from its
+adapter's hash, so its K/V (which the adapter changes) are found only by sequences of the same
+adapter. A hit is still checked against the block's stored token ids and adapter, so a hash
+collision is never served. A freed block keeps its hash (and stays findable) until
 the free list hands it out again, oldest-freed first.
 """
 from array import array
@@ -14,13 +16,14 @@ from nanovllm.sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "lora_int_id")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash = -1
         self.token_ids: list[int] | None = None
+        self.lora_int_id = 0  # the adapter of the sequence that computed it (0: none)
 
 
 class BlockManager:
@@ -39,6 +42,13 @@ class BlockManager:
         h.update(array("q", token_ids).tobytes())
         return h.intdigest()
 
+    @staticmethod
+    def root_hash(seq: Sequence) -> int:
+        """The hash that `seq`'s chain of block hashes starts from: -1, or its LoRA adapter's."""
+        if not seq.lora_int_id:
+            return -1
+        return xxhash.xxh64(b"lora" + seq.lora_int_id.to_bytes(8, "little")).intdigest()
+
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
@@ -51,12 +61,13 @@ class BlockManager:
         included, so the step that admits `seq` always has at least one token to compute."""
         if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []  # (prompt logprobs need every prompt token's logits)
-        hits, prefix_hash, bs = [], -1, self.block_size
+        hits, prefix_hash, bs = [], self.root_hash(seq), self.block_size
         for i in range((len(seq) - 1) // bs):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             prefix_hash = self.compute_hash(tokens, prefix_hash)
             block_id = self.hash_to_block_id.get(prefix_hash)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            if (block_id is None or self.blocks[block_id].token_ids != tokens
+                    or self.blocks[block_id].lora_int_id != seq.lora_int_id):
                 break
             hits.append(block_id)
         return hits
@@ -105,8 +116,8 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens, num_known_tokens) // bs
         for i in range(seq.num_hashed_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
-            prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
-            block.token_ids = seq.token_ids[i * bs:(i + 1) * bs]
+            prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else self.root_hash(seq)
+            block.token_ids, block.lora_int_id = seq.token_ids[i * bs:(i + 1) * bs], seq.lora_int_id
             block.hash = self.compute_hash(block.token_ids, prefix_hash)
             self.hash_to_block_id.setdefault(block.hash, block.block_id)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)

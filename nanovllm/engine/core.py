@@ -16,6 +16,7 @@ from nanovllm.sampling.warmup import warm_up_sampler
 from nanovllm.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from nanovllm.engine.stop_checker import check_stop
 from nanovllm.engine.trace import region
+from nanovllm.lora_request import LoRARequest
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -40,17 +41,20 @@ class EngineCore(EngineBase):
         self.processor = Processor(config)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, self.block_manager,
+                                   config.max_loras if config.enable_lora else 0)
         self.requests: dict[str, Request] = {}  # the unfinished ones
         self._inflight: tuple[LaunchedStep, list[int]] | None = None  # launched step, each row's PLACEHOLDER index
         self.num_prefill_tokens = self.num_decode_tokens = 0  # of the last step
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
-        """Queue one request (vLLM's LLMEngine.add_request); its outputs come from step() as its
-        params.output_kind says. ValueError, nothing queued, when it is invalid or the id is in use."""
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Queue one request (vLLM's LLMEngine.add_request), run with the LoRA adapter lora_request
+        when given; its outputs come from step() as its params.output_kind says. ValueError,
+        nothing queued, when it is invalid or the id is in use."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
-        request = self.processor.make_request(request_id, prompt, params or SamplingParams())
+        request = self.processor.make_request(request_id, prompt, params or SamplingParams(), lora_request)
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
 

@@ -4,25 +4,30 @@ for any step of at most that many sequences with q_len new tokens each (q_len 1:
 graphs read (init_graph_state, graph_metadata); this module owns the token ids in, the hidden
 states and this rank's logits out (the LM head inside the graph costs the host no launch: ~0.1 ms
 a step at one sequence, docs/perf-log.md, 2026-11-24), and writes a step's ids and
-metadata into the static buffers before each replay (graph_inputs.py: one kernel)."""
+metadata into the static buffers before each replay (graph_inputs.py: one kernel). With LoRA
+adapters each (batch size, q_len) has graphs by the kinds of layers whose deltas they compute (none, some
+for small batches, all: LoRAContext.graph_variants), on the LoRA context's static mapping."""
 import torch
 
 from nanovllm.config import Config
 from nanovllm.kernels.graph_inputs import write_graph_inputs
 from nanovllm.sequence import PLACEHOLDER
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
+from nanovllm.layers.lora import LoRAContext
 
 CAPTURE_Q_LENS = (1,)  # the q_lens whose uniform steps get graphs: decode only, until drafts are proposed
 
 
 class CUDAGraphRunner:
-    """graphs: the dict ((batch size, q_len) -> torch.cuda.CUDAGraph) to fill; tensor-parallel rank 0
-    shares it with its workers' handle, which frees the graphs before the process group (see
-    TPWorkers). A q_len's batch sizes stop where batch size x q_len passes max_num_batched_tokens."""
+    """graphs: the dict ((batch size, q_len) -> torch.cuda.CUDAGraph; with LoRA, (batch size, q_len,
+    LoRA variant) -> graph) to fill; tensor-parallel rank 0 shares it with its workers' handle, which
+    frees the graphs before the process group (see TPWorkers). A q_len's batch sizes stop where
+    batch size x q_len passes max_num_batched_tokens. lora: the model's LoRAContext, or None."""
 
     def __init__(self, model, backend: AttentionBackend, config: Config, max_blocks_per_seq: int, hidden_size: int,
-                 vocab_shard: int, dtype: torch.dtype, device: torch.device, graphs: dict):
-        self.model, self.backend, self.graphs = model, backend, graphs
+                 vocab_shard: int, dtype: torch.dtype, device: torch.device, graphs: dict,
+                 lora: LoRAContext | None = None):
+        self.model, self.backend, self.graphs, self.lora = model, backend, graphs, lora
         max_seqs, max_tokens = config.max_num_seqs, config.max_num_batched_tokens
         sizes = sorted({b for b in [1, 2, 4, 8, *range(16, max_seqs + 1, 16), max_seqs] if b <= max_seqs})
         self.batch_sizes = {q: [b for b in sizes if b * q <= max_tokens] for q in CAPTURE_Q_LENS
@@ -33,6 +38,8 @@ class CUDAGraphRunner:
         self.logits = torch.zeros(num_tokens, vocab_shard, dtype=dtype, device=device)  # 78 MB for 256 x 151,936 bf16
         backend.init_graph_state(max(bs[-1] for bs in self.batch_sizes.values()), max_blocks_per_seq,
                                  list(self.batch_sizes), device)
+        if lora is not None:
+            lora.init_graph_state(num_tokens, device)
 
     @torch.inference_mode()
     def capture(self):
@@ -41,14 +48,19 @@ class CUDAGraphRunner:
         keys = [(bs, q) for q, sizes in self.batch_sizes.items() for bs in sizes]
         for bs, q_len in sorted(keys, key=lambda key: key[0] * key[1], reverse=True):
             meta = self.backend.graph_metadata(bs, q_len)
-            self._forward(bs * q_len, meta)  # warm-up (compiles)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self._forward(bs * q_len, meta)
-            pool = graph.pool()
-            self.graphs[bs, q_len] = graph
-            graph.replay()  # a graph's first replay uploads it: paid here rather than in the first generate
-            torch.cuda.synchronize()
+            for variant in self.lora.graph_variants(bs * q_len) if self.lora else [None]:
+                if self.lora:
+                    self.lora.use_graph(bs * q_len, variant)
+                self._forward(bs * q_len, meta)  # warm-up (compiles)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool):
+                    self._forward(bs * q_len, meta)
+                pool = graph.pool()
+                self.graphs[(bs, q_len, variant) if self.lora else (bs, q_len)] = graph
+                graph.replay()  # a graph's first replay uploads it: paid here rather than in the first generate
+                torch.cuda.synchronize()
+        if self.lora:
+            self.lora.clear()
 
     def _forward(self, num_tokens: int, meta: AttentionMetadata):
         self.outputs[:num_tokens] = self.model(self.input_ids[:num_tokens], meta)
@@ -68,9 +80,11 @@ class CUDAGraphRunner:
         """A uniform step of n <= batch size sequences of q_len tokens, key = (batch size, q_len):
         (hidden states [n * q_len, hidden_size], this rank's logits [n * q_len, vocab_shard]), views of
         static buffers that the next replay overwrites. input_ids, pending, sampled: as
-        graph_inputs.write_graph_inputs takes them."""
+        graph_inputs.write_graph_inputs takes them. With LoRA, the graph of the step's variant."""
         num_tokens = input_ids.size(0)
         write_graph_inputs(key[0], input_ids, pending, sampled, meta, self.input_ids, self.backend.graph_meta,
                            PLACEHOLDER, key[1])
+        if self.lora:
+            key = (*key, self.lora.write_graph_inputs(key[0] * key[1]))
         self.graphs[key].replay()
         return self.outputs[:num_tokens], self.logits[:num_tokens]

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.engine.kv_cache import KVCacheSpec, num_kv_blocks
+from nanovllm.engine.lora_manager import LoRAManager
 from nanovllm.sequence import Sequence
 from nanovllm.engine.step_inputs import Stager, StepPlan, draft_offsets, plan_step
 from nanovllm.engine.trace import region
@@ -21,7 +22,7 @@ from nanovllm.layers.linear_method import linear_method
 from nanovllm.sampling.sampler import SamplingTensors, TokenLogprobs, token_logprobs
 from nanovllm.sampling.step_sampler import StepSampler
 from nanovllm.loader.source import iter_weights
-from nanovllm.loader.weights import dummy_weights, load_weights
+from nanovllm.loader.weights import check_weights_fit, dummy_weights, load_weights
 from nanovllm.models.registry import model_class
 from nanovllm.distributed.process_group import init_process_group
 from nanovllm.distributed.state import TensorParallel
@@ -64,6 +65,7 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.backend = make_backend(config.attention_backend)
+        self.lora = LoRAManager(config) if config.enable_lora else None  # LoRA adapters' slots
         self.model = self._build_model()
         self.sampler = StepSampler(config, self.model.lm_head, self.device)
         # what execute() uses, set before the warm-up step that sizes the KV cache runs it
@@ -92,7 +94,8 @@ class ModelRunner:
                 from nanovllm.engine.cuda_graphs import CUDAGraphRunner  # Triton's: with CUDA only
                 self.graph_runner = CUDAGraphRunner(self.model, self.backend, config, self.max_blocks_per_seq,
                                                     self.hf_config.hidden_size, self.model.lm_head.weight.size(0),
-                                                    self.dtype, self.device, workers.graphs if workers else {})
+                                                    self.dtype, self.device, workers.graphs if workers else {},
+                                                    self.lora and self.lora.context)
                 self.graph_runner.capture()
 
     def _build_model(self):
@@ -102,9 +105,10 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             if self.device.type == "cuda":
-                self._check_weights_fit(cls, tp)
+                check_weights_fit(cls, self.hf_config, tp, self.dtype, self.config.gpu_memory_utilization)
             with torch.device(self.device):
-                model = cls(self.hf_config, tp, self.backend, linear_method(self.config.quantization))
+                method = linear_method(self.config.quantization)
+                model = cls(self.hf_config, tp, self.backend, self.lora.wrap(method) if self.lora else method)
         finally:
             torch.set_default_dtype(default_dtype)
         cfg = self.config
@@ -112,26 +116,11 @@ class ModelRunner:
             else iter_weights(cfg.model, cfg.load_format, self.hf_config)
         load_weights(model, weights)
         process_weights_after_loading(model)
+        if self.lora:
+            self.lora.attach(model)
         if cfg.quantization and self.device.type == "cuda":
             torch.cuda.empty_cache()  # the model-dtype weights' memory, for the KV cache
         return model
-
-    def _check_weights_fit(self, cls, tp: TensorParallel):
-        """Raise MemoryError, before allocating anything, when the weights alone exceed the engine's
-        share of the GPU: gpu_memory_utilization x total memory, less what is already in use (after
-        this process's allocator returns its cached free memory, e.g. a deleted LLM's)."""
-        with torch.device("meta"):
-            params = {id(p): p for p in cls(self.hf_config, tp).parameters()}.values()
-        need = sum(p.numel() for p in params) * self.dtype.itemsize
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        utilization = self.config.gpu_memory_utilization
-        share = total * utilization - (total - free)
-        if need > share:
-            raise MemoryError(f"the weights need {need / 2**30:.2f} GiB in {self.dtype}, but the engine may use "
-                              f"{max(share, 0) / 2**30:.2f} GiB (gpu_memory_utilization={utilization} of "
-                              f"{total / 2**30:.1f} GiB, {(total - free) / 2**30:.2f} GiB already in use); raise "
-                              f"gpu_memory_utilization, pick a smaller dtype, or free the GPU")
 
     @torch.inference_mode()
     def _warmup(self) -> int:
@@ -172,6 +161,9 @@ class ModelRunner:
         with region("prepare_inputs"):
             plan, seqs, prompt_spans, runs = plan_step(scheduled, self.block_size, self._prev_rows, forks,
                                                        block_copies, drafts)
+            if self.lora:
+                graphs = self.graph_runner.batch_sizes if self.graph_runner else ()
+                plan.lora = self.lora.plan(scheduled, plan.is_decode or plan.uniform_q_len in graphs)
         st = None
         if seqs:
             with region("sampling"):
@@ -216,7 +208,12 @@ class ModelRunner:
         ids, TokenLogprobs or None) and the TokenLogprobs of plan.prompt_rows (each None when
         there are none; both None on the other ranks)."""
         with region("prepare_inputs"):
-            tensors = self.stager.upload_plan(plan, self.backend.host_arrays(plan))
+            arrays = self.backend.host_arrays(plan)
+            if self.lora:
+                arrays = arrays | LoRAManager.host_arrays(plan.lora)
+            tensors = self.stager.upload_plan(plan, arrays)
+            if self.lora:
+                self.lora.begin_step(plan.lora, tensors)
             meta = self.backend.build_metadata(plan, tensors)
             graph = self.graph_runner.graph_for(meta) if self.graph_runner else None
             pending = tensors.get("pending") if plan.input_ids is not None and len(plan.pending) else None
@@ -265,6 +262,8 @@ class ModelRunner:
         """Forget the last launched step (after its requests were aborted)."""
         self._prev_rows, self._prev_sampled = {}, None
         self.sampler.reset()
+        if self.lora:
+            self.lora.forget_slots()
 
     def synchronize(self):
         if self.device.type == "cuda" and not (self.workers and self.workers.broken):

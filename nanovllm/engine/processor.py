@@ -5,6 +5,8 @@ from numbers import Integral
 
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.loader.lora import check_adapter, lora_targets
+from nanovllm.lora_request import LoRARequest
 from nanovllm.sequence import PLACEHOLDER, Sequence
 from nanovllm.outputs import CompletionOutput, FlatLogprobs, RequestOutput, position_logprobs
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
@@ -20,6 +22,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list | None = None  # [None, then (step arrays, row) per prompt token] when asked
+    lora_request: LoRARequest | None = None
 
     @property
     def finished(self) -> bool:
@@ -36,6 +39,10 @@ class Processor:
         self._token_texts: dict[int, str] = {}
         self.vocab_size = config.hf_config.vocab_size
         self.max_model_len, self.max_logprobs = config.max_model_len, config.max_logprobs
+        self.enable_lora, self.max_lora_rank = config.enable_lora, config.max_lora_rank
+        self.hf_config = config.hf_config
+        self._loras: dict[int, str] = {}  # lora_int_id -> lora_path of every adapter checked so far
+        self._lora_targets = None
 
     def normalize(self, prompts, sampling_params) -> list[tuple[object, SamplingParams]]:
         """A generate call's prompts paired with their SamplingParams (one for all, or one per
@@ -57,13 +64,16 @@ class Processor:
                              f"pass one, or one per prompt")
         return list(zip(prompts, sampling_params))
 
-    def make_request(self, request_id: str, prompt, params: SamplingParams) -> Request:
+    def make_request(self, request_id: str, prompt, params: SamplingParams,
+                     lora_request: LoRARequest | None = None) -> Request:
         """Validate one request. prompt: a string, a list of token ids, or a dict with
-        "prompt_token_ids" (and optionally its "prompt" text) or "prompt". Raises ValueError."""
+        "prompt_token_ids" (and optionally its "prompt" text) or "prompt"; lora_request: its
+        adapter, or None. Raises ValueError."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         self._check_limits(params)
+        self._check_lora(lora_request)
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         if isinstance(prompt, dict):
             prompt = prompt.get("prompt_token_ids", text)
@@ -71,7 +81,7 @@ class Processor:
         if self.tokenizer is None and (params.stop_strings or params.bad_words):
             raise ValueError("stop strings and bad_words need the model's tokenizer, and it has none")
         request = Request(request_id, text, ids, params, prompt_logprobs=[None] if params.prompt_logprobs is not None
-                          else None)
+                          else None, lora_request=lora_request)
         request.seqs.append(self.new_sequence(request, 0))
         request.seqs[0].num_forks = params.n - 1
         return request
@@ -79,7 +89,7 @@ class Processor:
     def new_sequence(self, request: Request, index: int) -> Sequence:
         """Completion `index` of `request`, with its detokenizer when text is needed token by token
         (stop strings, or outputs before the end)."""
-        seq = Sequence(request.prompt_token_ids, request.params, request.request_id, index)
+        seq = Sequence(request.prompt_token_ids, request.params, request.request_id, index, request.lora_request)
         params = request.params
         for word in params.bad_words or ():  # as vLLM: the word alone and after a space
             for text in (word.lstrip(), " " + word.lstrip()):
@@ -108,6 +118,26 @@ class Processor:
         bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+
+    def _check_lora(self, lora_request: LoRARequest | None):
+        """A request's adapter: a LoRARequest, on an engine with enable_lora, whose files fit the
+        model (loader/lora.py check_adapter, once per lora_int_id), one path per lora_int_id."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if not self.enable_lora:
+            raise ValueError("a lora_request needs an engine with LoRA enabled: LLM(model, enable_lora=True, "
+                             "max_loras=..., max_lora_rank=...)")
+        path = self._loras.get(lora_request.lora_int_id)
+        if path is None:
+            if self._lora_targets is None:
+                self._lora_targets = lora_targets(self.hf_config)
+            check_adapter(lora_request, self._lora_targets, self.max_lora_rank)
+            self._loras[lora_request.lora_int_id] = lora_request.lora_path
+        elif path != lora_request.lora_path:
+            raise ValueError(f"lora_int_id {lora_request.lora_int_id} names the adapter at {path}, not "
+                             f"{lora_request.lora_path}: each adapter needs its own lora_int_id")
 
     def _token_ids(self, prompt, truncate: int | None = None) -> list[int]:
         """The prompt's token ids, the last `truncate` of them when set (-1: max_model_len)."""
@@ -150,7 +180,7 @@ class Processor:
         if prompt_lp is not None:
             prompt_lp = self._logprobs(prompt_lp, 0, len(prompt_lp), request.params.prompt_logprobs, request.params)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, prompt_lp,
-                             completions, request.finished, request.seqs[0].num_cached_tokens)
+                             completions, request.finished, request.seqs[0].num_cached_tokens, request.lora_request)
 
     def _completion(self, seq: Sequence, delta: bool) -> CompletionOutput:
         end = len(seq.token_ids)

@@ -6,7 +6,9 @@ that fits. Waiting sequences are admitted next while budget, `max_num_seqs` and 
 allow, starting after their prefix-cache hit. When a running sequence needs a block and none is
 free, the newest running sequence is preempted: its blocks are freed and it is recomputed later
 (its generated tokens are kept). The KV pool always holds one `max_model_len` sequence, so the
-oldest sequence always progresses and there is no deadlock.
+oldest sequence always progresses and there is no deadlock. With max_loras, the running
+sequences run at most that many LoRA adapters (the device's adapter slots): a waiting sequence of
+another adapter waits, and those behind it that fit go first.
 
 A decoding sequence with draft tokens (drafts: proposed by EngineCore.add_draft_tokens) runs them
 too, whole, after its token, while budget and free blocks allow; else they are dropped (they
@@ -19,8 +21,11 @@ from nanovllm.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager):
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, block_manager: BlockManager,
+                 max_loras: int = 0):
+        """max_loras: the most LoRA adapters among running sequences (0: no adapters served)."""
         self.max_num_seqs = max_num_seqs
+        self.max_loras = max_loras
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -59,8 +64,13 @@ class Scheduler:
         self.scheduled_drafts = {}
         if self.drafts:
             budget = self._schedule_drafts(scheduled, budget)
+        loras = {s.lora_int_id for s in self.running} - {0} if self.max_loras and self.waiting else set()
+        skipped = []  # waiting sequences of an adapter that finds no slot, left waiting in order
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.lora_int_id and seq.lora_int_id not in loras and len(loras) >= self.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             cached = self.block_manager.find_cached_blocks(seq)
             n = min(len(seq) - len(cached) * self.block_manager.block_size, budget)
             if not self.block_manager.allocate_slots(seq, n, cached):
@@ -71,6 +81,9 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
+            if seq.lora_int_id:
+                loras.add(seq.lora_int_id)
+        self.waiting.extendleft(reversed(skipped))
         for seq, n in scheduled:
             seq.num_computed_tokens += n
         if all(n == 1 for _, n in scheduled):

@@ -27,6 +27,7 @@ class StepPlan:
     prompt_rows: np.ndarray  # [Q] token rows whose logits give prompt logprobs (prompt_logprobs)
     prompt_targets: np.ndarray  # [Q]: the prompt token after each of those rows
     num_prompt_logprobs: int  # top tokens to return with them
+    lora: object = None  # the step's LoRA adapters (engine/lora_manager.py LoRAStep), or None
 
     INT32 = ("cu_seqlens_q", "context_lens", "block_tables")  # the rest go up as int64
 

@@ -27,7 +27,7 @@ class ReplicaRouter(EngineBase):
     def __init__(self, config: Config, num_replicas: int):
         self.config = config
         self.processor = Processor(config)
-        self._pending: list[tuple[str, dict, object, int]] = []  # validated requests not sent yet, with their load
+        self._pending: list[tuple] = []  # validated (id, prompt, params, lora_request, load) not sent yet
         self._owner: dict[str, tuple[int, int]] = {}  # request id -> (replica, load) of every sent, unfinished one
         self._loads = [0] * num_replicas
 
@@ -37,13 +37,14 @@ class ReplicaRouter(EngineBase):
             self.config = replace(self.config, max_model_len=max_model_len)
             self.processor = Processor(self.config)
 
-    def add_request(self, request_id: str, prompt, params) -> None:
+    def add_request(self, request_id: str, prompt, params, lora_request=None) -> None:
         if request_id in self._owner or any(r[0] == request_id for r in self._pending):
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
-        request = self.processor.make_request(request_id, prompt, params)
+        request = self.processor.make_request(request_id, prompt, params, lora_request)
         prompt = {"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}  # tokenized once
         max_tokens = params.max_tokens or self.config.max_model_len - len(request.prompt_token_ids)
-        self._pending.append((request_id, prompt, params, request_load(len(request.prompt_token_ids), max_tokens, params.n)))
+        load = request_load(len(request.prompt_token_ids), max_tokens, params.n)
+        self._pending.append((request_id, prompt, params, lora_request, load))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending or self._owner)
@@ -66,9 +67,9 @@ class ReplicaRouter(EngineBase):
     def _dispatch(self):
         """Each queued request, largest load first, to the replica with the least outstanding load."""
         batches = [[] for _ in self._loads]
-        for request_id, prompt, params, load in sorted(self._pending, key=lambda r: -r[3]):
+        for request_id, prompt, params, lora_request, load in sorted(self._pending, key=lambda r: -r[-1]):
             i = self._loads.index(min(self._loads))
-            batches[i].append((request_id, prompt, params))
+            batches[i].append((request_id, prompt, params, lora_request))
             self._loads[i] += load
             self._owner[request_id] = (i, load)
         self._pending = []

@@ -146,5 +146,8 @@ class RowParallelLinear(LinearBase):
         if self.tp_size == 1:
             return product(x)
         out = self.group.partial_sums_buffer(x.size(0), x.dtype, self.slot)
-        return product(x, out=out) if out is not None else self.group.send_partial_sums(x, self.weight.size(0),
-                                                                                        product)
+        if out is not None:
+            return product(x, out=out)
+        if not self.quant_method.rows_independent:
+            return product(x)  # summed by torch.distributed's all_reduce
+        return self.group.send_partial_sums(x, self.weight.size(0), product)

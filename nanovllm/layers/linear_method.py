@@ -38,7 +38,10 @@ class LinearMethod:
     """The products of a layer with `weight` [out, in] (and `weight_scale`, `bias` as the method
     keeps them). x: [num_tokens, in] (gated: [num_tokens, 2 * in] = [gate | up], multiplied as
     silu(gate) * up first); results in x's dtype, written to out (contiguous) when given.
+    rows_independent: apply may compute any slice of a step's rows alone (a tensor-parallel
+    prefill's row-parallel product goes chunk by chunk, TPGroup.send_partial_sums).
     quantization: the Config.quantization it implements (the experts' method follows it: moe_method.py)."""
+    rows_independent = True
     quantization: str | None = None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

@@ -29,7 +29,9 @@ class RotaryEmbedding(nn.Module):
             inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
             scaling = 1.0
         elif rope_type in ROPE_INIT_FUNCTIONS and rope_type != "dynamic":
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+            with torch.device("cpu"):  # transformers makes some of them on the default device (meta: no data)
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+            inv_freq = inv_freq.to(torch.get_default_device())
         else:
             raise ValueError(f"rope type {rope_type!r} is not supported; supported: default, "
                              f"{', '.join(k for k in ROPE_INIT_FUNCTIONS if k != 'dynamic')}")

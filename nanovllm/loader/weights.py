@@ -92,6 +92,24 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]):
                          + (" ..." if len(missing) > 8 else ""))
 
 
+def check_weights_fit(model_cls, hf_config, tp: TensorParallel, dtype: torch.dtype, gpu_memory_utilization: float):
+    """Raise MemoryError, before allocating anything, when the weights of model_cls on this rank
+    (tp) in dtype alone exceed the engine's share of the GPU: gpu_memory_utilization x total memory,
+    less what is already in use (after this process's allocator returns its cached free memory,
+    e.g. a deleted LLM's)."""
+    with torch.device("meta"):
+        params = {id(p): p for p in model_cls(hf_config, tp).parameters()}.values()
+    need = sum(p.numel() for p in params) * dtype.itemsize
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    share = total * gpu_memory_utilization - (total - free)
+    if need > share:
+        raise MemoryError(f"the weights need {need / 2**30:.2f} GiB in {dtype}, but the engine may use "
+                          f"{max(share, 0) / 2**30:.2f} GiB (gpu_memory_utilization={gpu_memory_utilization} of "
+                          f"{total / 2**30:.1f} GiB, {(total - free) / 2**30:.2f} GiB already in use); raise "
+                          f"gpu_memory_utilization, pick a smaller dtype, or free the GPU")
+
+
 def _copy(param: nn.Parameter, tensor: torch.Tensor):
     if param.shape != tensor.shape:
         raise ValueError(f"checkpoint tensor has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")

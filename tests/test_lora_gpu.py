@@ -1,0 +1,115 @@
+"""LoRA on the GPU (skipped without CUDA), in float32 so that greedy tokens are exact (bf16 rounds
+the base and the deltas differently from transformers and flips random-weight near-ties): the
+tiny Qwen3's three PEFT adapters give transformers + peft's tokens with CUDA graphs (each graph
+variant: attention-only adapters replay graphs without the MLP's deltas) and eager, alone and
+mixed, in graphs of the fused kernel (batches up to 16) and of shrink + expand (32); Qwen3-0.6B's
+shapes with three rank-16 adapters against transformers + peft; TP=2 on two GPUs equals one GPU."""
+import gc
+
+import pytest
+import torch
+
+from nanovllm import LLM, LoRARequest, SamplingParams
+from tests.conftest import random_prompts
+from tests.peft_adapters import ALL, ADAPTERS, make_adapter, peft_greedy, tiny_adapters
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytest.importorskip("peft")
+ARGS = dict(dtype="float32", kvcache_block_size=16, max_model_len=128, max_num_batched_tokens=48, enable_lora=True,
+            max_loras=3, max_lora_rank=16)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+NAMES = list(ADAPTERS)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path, model, adapters = tiny_adapters(tmp_path_factory)
+    prompts = random_prompts([5, 17, 70, 1, 33, 9, 40], seed=3) * 4
+    requests = {name: LoRARequest(name, i + 1, adapters[name][0]) for i, name in enumerate(NAMES)}
+    models = {name: adapters[name][1] for name in NAMES} | {None: model}
+    expected = {name: peft_greedy(m, prompts[:7], GREEDY.max_tokens) * 4 for name, m in models.items()}
+    return path, prompts, requests, expected
+
+
+def run(llm, prompts, loras):
+    return [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)]
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_tiny_matches_peft(tiny, enforce_eager):
+    path, prompts, requests, expected = tiny
+    llm = LLM(path, max_num_seqs=32, enforce_eager=enforce_eager, **ARGS)
+    context, variants = llm.engine.model_runner.lora.context, []
+    write = context.write_graph_inputs
+    context.write_graph_inputs = lambda num_tokens: variants.append(write(num_tokens)) or variants[-1]
+    kinds = {"qv": {"qkv_proj"}, "attn": {"qkv_proj", "o_proj"}, "all": set(context.all_kinds)}
+    for name in NAMES:  # one sequence: graphs of batch size 1, the variant of the adapter's kinds
+        variants.clear()
+        assert run(llm, prompts[:1], requests[name]) == expected[name][:1]
+        assert set(variants) == (set() if enforce_eager else {frozenset(kinds[name])})
+        assert run(llm, prompts[:7], requests[name]) == expected[name][:7]
+    names = [(NAMES + [None])[i % 4] for i in range(len(prompts))]  # 28 sequences: graphs of 32
+    assert run(llm, prompts, [requests[n] if n else None for n in names]) == [expected[n][i] for i, n in
+                                                                              enumerate(names)]
+
+
+@pytest.fixture(scope="module")
+def qwen3_06b(tmp_path_factory):
+    """Qwen3-0.6B's shapes with random float32 weights and three rank-16 PEFT adapters (all seven
+    projections; q and v; alpha 32 with rsLoRA): (directory, prompts, LoRARequests, references)."""
+    from transformers import AutoConfig, Qwen3ForCausalLM
+
+    from nanovllm.loader.source import BUILTIN_CONFIGS
+    config = AutoConfig.from_pretrained(str(BUILTIN_CONFIGS["qwen3-0.6b"]))
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(config).eval()
+    root = tmp_path_factory.mktemp("qwen3-0.6b-lora")
+    model.save_pretrained(root / "base")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 150000, (n,), generator=g).tolist() for n in (5, 129, 300, 17)]
+    configs = [dict(r=16, lora_alpha=16, target_modules=ALL),
+               dict(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"]),
+               dict(r=8, lora_alpha=32, target_modules=ALL, use_rslora=True)]
+    requests, expected = [], []
+    for i, args in enumerate(configs):
+        peft_model = make_adapter(model, root / f"a{i}", i, **args)
+        expected.append([_greedy(peft_model, p) for p in prompts])
+        requests.append(LoRARequest(f"a{i}", i + 1, str(root / f"a{i}")))
+        del peft_model
+    expected.append([_greedy(model, p) for p in prompts])
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return str(root / "base"), prompts, requests, expected
+
+
+def _greedy(model, prompt):
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens,
+                             min_new_tokens=GREEDY.max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_qwen3_06b_shapes_match_peft(qwen3_06b):
+    path, prompts, requests, expected = qwen3_06b
+    llm = LLM(path, dtype="float32", max_model_len=1024, gpu_memory_utilization=0.5, enable_lora=True, max_loras=2,
+              max_lora_rank=16)
+    for lora, want in zip(requests + [None], expected):
+        assert run(llm, prompts, lora) == want
+    loras = [requests[i % 3] for i in range(len(prompts))]  # three adapters, two slots: one waits
+    assert run(llm, prompts, loras) == [expected[i % 3][i] for i in range(len(prompts))]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensor_parallel_matches_one_gpu(tiny):
+    """TP=2 with NCCL and CUDA graphs; max_num_seqs=4: prefill products of more rows than the
+    symmetric buffers hold, which LoRA layers sum with NCCL rather than chunk by chunk."""
+    path, prompts, requests, expected = tiny
+    names = [(NAMES + [None])[i % 4] for i in range(7)]
+    loras = [requests[n] if n else None for n in names]
+    llm = LLM(path, tensor_parallel_size=2, max_num_seqs=4, **ARGS)
+    assert run(llm, prompts[:7], loras) == [expected[n][i] for i, n in enumerate(names)]
+    del llm
+    gc.collect()

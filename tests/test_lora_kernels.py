@@ -1,0 +1,138 @@
+"""LoRA's products for a batch of mixed adapters (kernels/lora.py, layers/lora.py): the torch path
+against a float64 loop over rows, and the Triton kernels (shrink + expand, and fused) against the
+torch path at awkward sizes: K not a multiple of the K step, a rank below the slot's, one to three
+packed slices of unequal widths, rows of every adapter interleaved with rows of none (poisoned
+with NaN: they must come out untouched), partial and spare tiles, K split over programs. Without
+CUDA the kernels run in Triton's interpreter in float32 and float16 (it multiplies bfloat16 as
+integers); on CUDA also in bfloat16 at Qwen3-0.6B's shapes."""
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from nanovllm.kernels.lora import lora_expand, lora_fused, lora_shrink  # noqa: E402
+from nanovllm.layers.lora import lora_mapping, lora_reference, tile_slots  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+MODES = ["plain", "gated", "norm"]
+
+
+def problem(num_rows, k, bounds, max_loras, rank, mode, dtype, seed, block_m=16, pad=True):
+    """Random operands of one LoRA layer and a step's mapping: slot tables whose adapters have
+    ranks below `rank` (zero rows of A and columns of B past them), about a quarter of the rows
+    without an adapter."""
+    g = torch.Generator().manual_seed(seed)
+    slices, n = len(bounds) - 1, bounds[-1]
+    x = torch.randn(num_rows, 2 * k if mode == "gated" else k, generator=g) * 2
+    a = torch.randn(max_loras, slices * rank, k, generator=g) / k ** 0.5
+    b = torch.randn(max_loras, n, rank, generator=g) / rank ** 0.5
+    for slot in range(max_loras):  # adapter `slot` has rank rank - slot - 1
+        used = rank - slot - 1
+        a.view(max_loras, slices, rank, k)[slot, :, used:] = 0
+        b[slot, :, used:] = 0
+    token_slots = torch.randint(-1, max_loras, (num_rows,), generator=g).numpy()
+    token_slots[torch.rand(num_rows, generator=g).numpy() < 0.1] = -1
+    index, num_tiles, groups = lora_mapping(token_slots, block_m, tile_slots(num_rows, max_loras, block_m)
+                                            if pad else None)
+    index = torch.from_numpy(index).to(DEVICE)
+    y = torch.randn(num_rows, n, generator=g) * 3
+    y[token_slots < 0] = float("nan")  # rows without an adapter: must stay untouched
+    norm = ((torch.rand(k, generator=g) + 0.5).to(dtype).to(DEVICE), 1e-6) if mode == "norm" else None
+    kwargs = {"gated": mode == "gated", "norm": norm}
+    ops = [t.to(dtype).to(DEVICE) for t in (x, a, b, y)]
+    return ops, index[:3 * num_tiles].view(num_tiles, 3), index[3 * num_tiles:], groups, kwargs, token_slots
+
+
+def assert_close(actual, expected, dtype, length):
+    """Equal where expected is NaN (rows without an adapter), else within two units of the last place
+    of dtype (the output's rounding, and an input the kernel normed or gated rounded the other
+    way) plus float32 sums of `length` terms in another order, at the output's magnitude."""
+    nan = expected.isnan()
+    assert torch.equal(actual.isnan(), nan)
+    scale = expected[~nan].abs().max().item()
+    atol = scale * (2 * torch.finfo(dtype).eps + length * torch.finfo(torch.float32).eps)
+    torch.testing.assert_close(actual[~nan].float(), expected[~nan].float(), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bounds", [(0, 48), (0, 56, 112), (0, 40, 64, 88)])
+def test_reference_matches_a_float64_loop(mode, bounds):
+    (x, a, b, y), tiles, rows, groups, kwargs, token_slots = problem(29, 72, bounds, 3, 12, mode, torch.float32, 1)
+    x, a, b, y = (t.cpu() for t in (x, a, b, y))
+    expected = y.double().clone()
+    rank = b.size(2)
+    for row, slot in enumerate(token_slots.tolist()):
+        if slot < 0:
+            continue
+        v = x[row].double()
+        if kwargs["gated"]:
+            gate, up = v.chunk(2)
+            v = gate * torch.sigmoid(gate) * up
+        if kwargs["norm"] is not None:
+            weight, eps = kwargs["norm"]
+            v = v / torch.sqrt(v.pow(2).mean() + eps) * weight.cpu().double()
+        s = a[slot].double() @ v
+        for j, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            expected[row, lo:hi] += b[slot, lo:hi].double() @ s[j * rank:(j + 1) * rank]
+    actual = lora_reference(y.clone(), x, a, b, rows.cpu(), groups, bounds, **kwargs)
+    assert_close(actual, expected.float(), torch.float32, 72 + 12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else []))
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bounds", [(0, 48), (0, 56, 112), (0, 40, 64, 200)])
+def test_kernels_match_the_reference(bounds, mode, fused, dtype):
+    """37 rows of 3 adapters (tiles of 16 rows, spare tiles slot -1), K = 200: four K steps in float32."""
+    (x, a, b, y), tiles, rows, groups, kwargs, _ = problem(37, 200, bounds, 3, 12, mode, dtype, 2)
+    expected = lora_reference(y.clone(), x, a, b, rows, groups, bounds, **kwargs)
+    if fused:
+        actual = lora_fused(y.clone(), x, a, b, rows, tiles, 16, bounds, **kwargs)
+    else:
+        s = lora_shrink(x, a, rows, tiles, 16, **kwargs)
+        assert s.size(0) > 1  # K split over programs: the expand sums the partials
+        actual = lora_expand(y.clone(), s, b, rows, tiles, 16, bounds)
+    assert_close(actual, expected, dtype, 200 + 12)
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_prefill_sized_tiles(block_m):
+    """A prefill-sized step (tiles of 64 rows, exact tile list, one split) and a wide K (four K steps)."""
+    (x, a, b, y), tiles, rows, groups, kwargs, _ = problem(150, 230, (0, 72, 144), 2, 16, "norm", torch.float32, 3,
+                                                           block_m=block_m, pad=False)
+    expected = lora_reference(y.clone(), x, a, b, rows, groups, (0, 72, 144), **kwargs)
+    s = lora_shrink(x, a, rows, tiles, block_m, **kwargs)
+    assert_close(lora_expand(y.clone(), s, b, rows, tiles, block_m, (0, 72, 144)), expected, torch.float32, 230 + 16)
+    assert_close(lora_fused(y.clone(), x, a, b, rows, tiles, block_m, (0, 72, 144), **kwargs), expected, torch.float32,
+                 230 + 16)
+
+
+def test_mapping_covers_every_adapter_row_once():
+    token_slots = np.array([2, -1, 0, 2, 2, 1, -1, 0, 2, 2, 2, 1])
+    index, num_tiles, groups = lora_mapping(token_slots, 2, tile_slots(12, 3, 2))
+    tiles, rows = index[:3 * num_tiles].reshape(-1, 3), index[3 * num_tiles:]
+    assert rows.tolist() == [2, 7, 5, 11, 0, 3, 4, 8, 9, 10]  # grouped by slot, in token order within one
+    assert groups.tolist() == [[0, 0, 2], [1, 2, 4], [2, 4, 10]]
+    live = tiles[tiles[:, 0] >= 0]
+    assert live.tolist() == [[0, 0, 2], [1, 2, 4], [2, 4, 6], [2, 6, 8], [2, 8, 10]]
+    assert (tiles[len(live):] == [-1, 0, 0]).all() and num_tiles == tile_slots(12, 3, 2) >= len(live)
+    assert lora_mapping(np.full(5, -1), 16)[1] == 0
+
+
+@pytest.mark.skipif(not CUDA, reason="bfloat16 at Qwen3-0.6B's shapes on the GPU")
+@pytest.mark.parametrize("num_rows,fused", [(1, True), (8, True), (256, False), (4096, False)])
+def test_kernels_at_model_shapes_on_cuda(num_rows, fused):
+    """qkv_proj (norm), gate_up_proj and down_proj (gated) of Qwen3-0.6B, rank 16, 8 adapters."""
+    for k, bounds, mode in ((1024, (0, 2048, 3072, 4096), "norm"), (1024, (0, 3072, 6144), "plain"),
+                            (3072, (0, 1024), "gated")):
+        block_m = 64 if num_rows > 256 else 16
+        (x, a, b, y), tiles, rows, groups, kwargs, _ = problem(num_rows, k, bounds, 8, 16, mode, torch.bfloat16, 4,
+                                                               block_m=block_m, pad=num_rows <= 256)
+        expected = lora_reference(y.clone(), x, a, b, rows, groups, bounds, **kwargs)
+        if fused:
+            actual = lora_fused(y.clone(), x, a, b, rows, tiles, block_m, bounds, **kwargs)
+        else:
+            actual = lora_expand(y.clone(), lora_shrink(x, a, rows, tiles, block_m, **kwargs), b, rows, tiles,
+                                 block_m, bounds)
+        assert_close(actual, expected, torch.bfloat16, k + 16)
