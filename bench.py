@@ -338,34 +338,27 @@ def run_transformers(args, prompts, max_tokens):
     return time.perf_counter() - t, {}
 
 
+# the workload's and the engine's plain numeric flags (the workload is nano-vllm's benchmark's)
+NUMBER_FLAGS = {"--num-seqs": 256, "--min-input-len": 100, "--max-input-len": 1024, "--min-output-len": 100,
+                "--max-output-len": 1024, "--seed": 0, "--max-model-len": 4096, "--max-num-seqs": 256,
+                "--max-num-batched-tokens": 16384, "--kvcache-block-size": 256, "--gpu-memory-utilization": 0.9,
+                "--hf-batch-size": 64, "--temperature": 0.6, "--top-p": 1.0, "--top-k": 0, "--min-p": 0.0,
+                "--presence-penalty": 0.0}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="Qwen/Qwen3-0.6B")
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--engine", choices=["nanovllm", "transformers"], default="nanovllm")
-    p.add_argument("--num-seqs", type=int, default=256)
-    p.add_argument("--min-input-len", type=int, default=100)
-    p.add_argument("--max-input-len", type=int, default=1024)
-    p.add_argument("--min-output-len", type=int, default=100)
-    p.add_argument("--max-output-len", type=int, default=1024)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    p.add_argument("--kvcache-block-size", type=int, default=256)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    for flag, default in NUMBER_FLAGS.items():
+        p.add_argument(flag, type=type(default), default=default)
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights (and GEMMs)")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     p.add_argument("--data-parallel-size", "--dp", type=int, default=1)
-    p.add_argument("--hf-batch-size", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--logprobs", type=int, default=None, help="return this many top logprobs per token")
     p.add_argument("--flat-logprobs", action="store_true",
                    help="logprobs as FlatLogprobs (dicts made when read), not lists of dicts (vLLM's default)")

@@ -14,6 +14,7 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+from graph_timer import graph_us
 
 from nanovllm.layers import linear_method as linear_mod
 from nanovllm.layers.layernorm import RMSNorm
@@ -30,25 +31,7 @@ ONE_ROW = linear_mod.one_row
 
 def time_graph(fn, reps=30):
     """us per call of a CUDA graph of LAYERS calls fn(layer), replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(LAYERS):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(LAYERS):
-            fn(i)
-    for _ in range(3):
-        g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps / LAYERS
+    return graph_us(lambda: [fn(i) for i in range(LAYERS)], reps) / LAYERS
 
 
 def chain(ms):

@@ -12,6 +12,7 @@ import argparse
 
 import numpy as np
 import torch
+from graph_timer import graph_us
 
 from nanovllm.distributed.state import TensorParallel
 from nanovllm.layers.layernorm import RMSNorm
@@ -52,23 +53,7 @@ def forward(layers, norm, x):
 
 def time_graph(fn, reps=30) -> float:
     """us per layer of a CUDA graph of fn() (all layers), replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps / LAYERS
+    return graph_us(fn, reps) / LAYERS
 
 
 def main():

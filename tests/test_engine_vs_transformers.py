@@ -61,14 +61,14 @@ def test_step_inputs_upload_aligned(tiny_qwen3):
     assert all(o.data_ptr() % 16 == 0 for o in out)
 
 
-def test_chunked_prefill(tiny_model):
-    path, hf_model = tiny_model
+def test_chunked_prefill(tiny_any_model):
+    path, hf_model = tiny_any_model
     llm = LLM(path, kvcache_block_size=16, max_num_batched_tokens=24, device="cpu")
     check_against_hf(llm, hf_model, random_prompts(LENGTHS, seed=1))
 
 
-def test_prefix_cache_hits(tiny_model):
-    path, hf_model = tiny_model
+def test_prefix_cache_hits(tiny_any_model):
+    path, hf_model = tiny_any_model
     llm = LLM(path, kvcache_block_size=16, device="cpu")
     shared = random_prompts([70], seed=2)[0]
     tails = random_prompts([3, 9, 20], seed=3)

@@ -4,6 +4,8 @@ Triton and torch attention backends agree; the float8 KV cache and float8 weight
 import pytest
 import torch
 
+from tests.conftest import cuda_random_model
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 NUM_TOKENS = 16
@@ -11,19 +13,8 @@ NUM_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def qwen3_06b(tmp_path_factory):
-    from transformers import AutoConfig, Qwen3ForCausalLM
-
-    from nanovllm.loader.source import BUILTIN_CONFIGS
-    config = AutoConfig.from_pretrained(str(BUILTIN_CONFIGS["qwen3-0.6b"]))
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
-    path = tmp_path_factory.mktemp("qwen3-0.6b")
-    model.save_pretrained(path)
-    with torch.device("cuda"):
-        exact = Qwen3ForCausalLM(config).eval()
-    exact.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
-    return str(path), model, exact
+    from transformers import Qwen3ForCausalLM
+    return cuda_random_model("qwen3-0.6b", Qwen3ForCausalLM, tmp_path_factory)
 
 
 def logits(model, ids):

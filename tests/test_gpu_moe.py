@@ -7,6 +7,8 @@ import gc
 import pytest
 import torch
 
+from tests.conftest import cuda_random_model
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 NUM_TOKENS = 16
@@ -44,20 +46,8 @@ def test_fused_experts_at_qwen3_30b_a3b_sizes(num_tokens, fp8):
 
 @pytest.fixture(scope="module")
 def qwen3_30b_a3b_2_layers(tmp_path_factory):
-    from transformers import AutoConfig, Qwen3MoeForCausalLM
-
-    from nanovllm.loader.source import BUILTIN_CONFIGS
-    config = AutoConfig.from_pretrained(str(BUILTIN_CONFIGS["qwen3-30b-a3b"]))
-    config.num_hidden_layers = 2
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
-    path = tmp_path_factory.mktemp("qwen3-30b-a3b-2-layers")
-    model.save_pretrained(path)
-    with torch.device("cuda"):
-        exact = Qwen3MoeForCausalLM(config).eval()
-    exact.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
-    return str(path), model, exact
+    from transformers import Qwen3MoeForCausalLM
+    return cuda_random_model("qwen3-30b-a3b", Qwen3MoeForCausalLM, tmp_path_factory, num_hidden_layers=2)
 
 
 @pytest.mark.parametrize("engine_args", [

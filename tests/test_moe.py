@@ -9,46 +9,16 @@ import os
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import MixtralConfig, Qwen3MoeConfig
 from transformers import MixtralForCausalLM as HFMixtral
-from transformers import Qwen3MoeForCausalLM as HFQwen3Moe
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers import moe_method
-from tests.conftest import VOCAB, needs_interpreter, random_prompts
+from tests.conftest import TINY_MOE, make_tiny_model, needs_interpreter, random_prompts
 from tests.test_engine_vs_transformers import LENGTHS, check_against_hf
-
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=512, initializer_range=0.3, rms_norm_eps=1e-6)
-TINY_MOE = {
-    # layers 0 and 2 sparse, 1 dense (mlp_only_layers); top-3 of 8 renormalised
-    "qwen3_moe": (Qwen3MoeConfig, HFQwen3Moe, dict(
-        num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3,
-        norm_topk_prob=True, mlp_only_layers=[1], head_dim=16, tie_word_embeddings=True)),
-    # decoder_sparse_step 2: layer 0 dense, layer 1 sparse; top-2 of 6 not renormalised
-    "qwen3_moe_step2": (Qwen3MoeConfig, HFQwen3Moe, dict(
-        num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=48, num_experts=6, num_experts_per_tok=2,
-        norm_topk_prob=False, decoder_sparse_step=2, head_dim=16)),
-    "mixtral": (MixtralConfig, HFMixtral, dict(
-        num_hidden_layers=2, intermediate_size=32, num_local_experts=6, num_experts_per_tok=2)),
-}
-_CACHE = {}
-
-
-def make_tiny_moe(arch, tmp_path_factory):
-    if arch not in _CACHE:
-        config_cls, model_cls, extra = TINY_MOE[arch]
-        torch.manual_seed(4321)
-        model = model_cls(config_cls(**COMMON, **extra)).eval()
-        path = tmp_path_factory.mktemp(arch)
-        model.save_pretrained(path)
-        _CACHE[arch] = (str(path), model)
-    return _CACHE[arch]
-
 
 @pytest.fixture(scope="module", params=list(TINY_MOE))
 def tiny_moe(request, tmp_path_factory):
-    return make_tiny_moe(request.param, tmp_path_factory)
+    return make_tiny_model(request.param, tmp_path_factory)
 
 
 def test_checkpoint_per_expert_names_and_layer_kinds(tiny_moe):
@@ -75,21 +45,6 @@ def test_batch_of_mixed_lengths(tiny_moe):
     assert len({tuple(o.token_ids) for o in outs}) > 1
 
 
-def test_chunked_prefill(tiny_moe):
-    path, hf_model = tiny_moe
-    llm = LLM(path, kvcache_block_size=16, max_num_batched_tokens=24, device="cpu")
-    check_against_hf(llm, hf_model, random_prompts(LENGTHS, seed=1))
-
-
-def test_prefix_cache_hits(tiny_moe):
-    path, hf_model = tiny_moe
-    llm = LLM(path, kvcache_block_size=16, device="cpu")
-    shared = random_prompts([70], seed=2)[0]
-    prompts = [shared + t for t in random_prompts([3, 9, 20], seed=3)]
-    check_against_hf(llm, hf_model, prompts[:1])
-    assert [o.num_cached_tokens for o in check_against_hf(llm, hf_model, prompts[1:])] == [64, 64]
-
-
 def test_preemption(tiny_moe):
     path, hf_model = tiny_moe
     llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=8, max_model_len=112, device="cpu")
@@ -111,7 +66,7 @@ def test_triton_kernels_in_the_interpreter(arch, tmp_path_factory, monkeypatch):
         paths.append(fused_moe.default_config(x.size(0), args[3].size(1), args[0].size(0)).pairs)
         return run(x, *args)
     monkeypatch.setattr(fused_moe, "fused_experts", recording)
-    path, hf_model = make_tiny_moe(arch, tmp_path_factory)
+    path, hf_model = make_tiny_model(arch, tmp_path_factory)
     llm = LLM(path, kvcache_block_size=16, max_num_batched_tokens=24, device="cpu")
     shared = random_prompts([33], seed=5)[0]
     check_against_hf(llm, hf_model, [shared + [1], *random_prompts([5, 9], seed=6)], max_tokens=6)
@@ -125,7 +80,7 @@ def _hf_block_and_ours(arch, tmp_path_factory, norm_topk_prob=None):
 
     from nanovllm.distributed.state import TensorParallel
     from nanovllm.models.moe import SparseMoeBlock
-    _, hf_model = make_tiny_moe(arch, tmp_path_factory)
+    _, hf_model = make_tiny_model(arch, tmp_path_factory)
     hf_block = copy.deepcopy(next(layer.mlp for layer in hf_model.model.layers if hasattr(layer.mlp, "gate")))
     config = hf_model.config
     if norm_topk_prob is not None:
@@ -171,7 +126,7 @@ def _save(path, tensors, config):
 def test_stacked_experts_checkpoint(tmp_path_factory, tmp_path):
     """A checkpoint in transformers 5's in-memory layout (experts.gate_up_proj [E, 2I, H],
     experts.down_proj [E, H, I] per layer) loads as the per-expert one does."""
-    path, hf_model = make_tiny_moe("qwen3_moe", tmp_path_factory)
+    path, hf_model = make_tiny_model("qwen3_moe", tmp_path_factory)
     state = {k: v.contiguous() for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
     assert "model.layers.0.mlp.experts.gate_up_proj" in state
     with open(os.path.join(path, "config.json")) as f:
@@ -186,7 +141,7 @@ def test_dummy_weights_fill_every_expert(arch, tmp_path_factory):
     tensor per expert and projection, as transformers saves them), which fills every expert."""
     from nanovllm.loader.weights import dummy_weights
     from nanovllm.models.registry import model_class
-    path, hf_model = make_tiny_moe(arch, tmp_path_factory)
+    path, hf_model = make_tiny_model(arch, tmp_path_factory)
     llm = LLM(path, load_format="dummy", device="cpu", seed=3)
     cls = model_class(hf_model.config)
     names = dict(dummy_weights(cls, hf_model.config, 3, torch.device("cpu"), torch.float32))
@@ -204,7 +159,7 @@ def test_dummy_weights_fill_every_expert(arch, tmp_path_factory):
 
 def test_checkpoint_errors_name_the_expert(tmp_path_factory, tmp_path):
     from tests.test_reliability import copy_model, edit_tensors
-    path, _ = make_tiny_moe("mixtral", tmp_path_factory)
+    path, _ = make_tiny_model("mixtral", tmp_path_factory)
     m = copy_model(path, tmp_path / "missing")
     edit_tensors(m, lambda t: t.pop("model.layers.1.block_sparse_moe.experts.3.w3.weight"))
     with pytest.raises(ValueError, match=r"lacks 1 tensor.*model.layers.1.mlp.experts.w13_weight \(expert 3's w3\)"):
@@ -223,7 +178,7 @@ def test_config_checks(tmp_path_factory, tmp_path):
             ("qwen3_moe_step2", {"moe_intermediate_size": 42},  # 4 heads, 2 KV heads, 96 split over 4; 42 does not
              r"tensor_parallel_size=4 does not split this model: .*moe_intermediate_size=42 and intermediate_size=96"),
             ("mixtral", {"sliding_window": 4096}, "Mixtral with sliding_window=4096 is not supported")]:
-        path = copy_model(make_tiny_moe(arch, tmp_path_factory)[0], tmp_path / arch)
+        path = copy_model(make_tiny_model(arch, tmp_path_factory)[0], tmp_path / arch)
         with open(path / "config.json") as f:
             config = json.load(f)
         with open(path / "config.json", "w") as f:
@@ -243,7 +198,7 @@ def test_fp8_experts_match_a_fake_quantized_transformers(tmp_path_factory):
 
     from nanovllm.kernels.fp8 import quantize_fp8
     from tests.test_fp8_weights import PROJS, _prompt_logprobs, _reference_logprobs
-    path, hf_model = make_tiny_moe("qwen3_moe", tmp_path_factory)
+    path, hf_model = make_tiny_model("qwen3_moe", tmp_path_factory)
     llm = LLM(path, device="cpu", quantization="fp8")
     experts = llm.engine.model_runner.model.model.layers[0].mlp.experts
     assert experts.w13_weight.dtype == torch.float8_e4m3fn and experts.w2_weight_scale.shape == (8, 64)
@@ -279,7 +234,7 @@ def test_fp8_checkpoint_experts(tmp_path_factory, tmp_path):
 
     from nanovllm.kernels.fp8 import dequantize_blocks, quantize_fp8
     from tests.test_fp8_weights import BLOCK, PROJS, _block_quantize
-    path, _ = make_tiny_moe("qwen3_moe", tmp_path_factory)
+    path, _ = make_tiny_model("qwen3_moe", tmp_path_factory)
     tensors, dequantized = {}, {}
     for name, tensor in load_file(os.path.join(path, "model.safetensors")).items():
         if name.rsplit(".", 2)[-2] in PROJS:
@@ -312,7 +267,7 @@ def test_tensor_parallel_matches_one_rank(tmp_path_factory):
     dense layer's), the experts' partial sums summed by the next norm; greedy tokens equal one
     rank's, with chunked prefill and prefix hits, and transformers'."""
     from tests.test_parallel import ARGS, completions, workload
-    path, hf_model = make_tiny_moe("qwen3_moe", tmp_path_factory)
+    path, hf_model = make_tiny_model("qwen3_moe", tmp_path_factory)
     prompts = workload()
     expected = completions(LLM(path, **ARGS), prompts)
     llm = LLM(path, tensor_parallel_size=2, **ARGS)

@@ -148,6 +148,16 @@ def _tile(N, num_m_tiles, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _tile_pairs(sorted_ids_ptr, expert_ids_ptr, num_pairs, pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """Tile (pid_m, pid_n)'s pairs [BLOCK_M] (sorted_ids' slots; num_pairs: padding), which are
+    real, their expert (int64), its BLOCK_N output columns and the BLOCK_K offsets along K."""
+    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    return pairs, pairs < num_pairs, expert, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_K)
+
+
+@triton.jit
 def moe_gate_up_kernel(x_ptr, w_ptr, scale_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, h_ptr, N, K,
                        num_pairs, num_m_tiles, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
@@ -158,11 +168,8 @@ def moe_gate_up_kernel(x_ptr, w_ptr, scale_ptr, sorted_ids_ptr, expert_ids_ptr, 
     pid_m, pid_n = _tile(N, num_m_tiles, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # a tile past the pairs (the grid is sized for the most)
         return
-    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < num_pairs
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
+    pairs, valid, expert, rn, rk = _tile_pairs(sorted_ids_ptr, expert_ids_ptr, num_pairs, pid_m, pid_n, BLOCK_M,
+                                               BLOCK_N, BLOCK_K)
     x_ptrs = x_ptr + (pairs // TOP_K).to(tl.int64)[:, None] * K + rk[None, :]
     gate_ptrs = w_ptr + expert * 2 * N * K + rn[None, :] * K + rk[:, None]  # [BLOCK_K, BLOCK_N]
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -191,11 +198,8 @@ def moe_down_kernel(h_ptr, w_ptr, scale_ptr, sorted_ids_ptr, expert_ids_ptr, num
     pid_m, pid_n = _tile(N, num_m_tiles, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # a tile past the pairs (the grid is sized for the most)
         return
-    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pairs < num_pairs
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
+    pairs, valid, expert, rn, rk = _tile_pairs(sorted_ids_ptr, expert_ids_ptr, num_pairs, pid_m, pid_n, BLOCK_M,
+                                               BLOCK_N, BLOCK_K)
     h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * K + rk[None, :]
     w_ptrs = w_ptr + expert * N * K + rn[None, :] * K + rk[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)

@@ -90,6 +90,17 @@ def _slice(sl, block, N, S1, S2, BLOCK_N: tl.constexpr):
     return lo + block * BLOCK_N, tl.where(sl == 0, S1, tl.where(sl == 1, S2, N))
 
 
+@triton.jit
+def _expand_tile(tiles_ptr, rows_ptr, tile, sl, block, N, S1, S2, R, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_R: tl.constexpr):
+    """An expanding program's work: _tile's (slot, pos, live, rows), _slice's (first, hi), its
+    BLOCK_N output columns and the rank offsets [BLOCK_R] with which of them are < R."""
+    slot, pos, live, rows = _tile(tiles_ptr, rows_ptr, tile, BLOCK_M)
+    first, hi = _slice(sl, block, N, S1, S2, BLOCK_N)
+    r = tl.arange(0, BLOCK_R)
+    return slot, pos, live, rows, first, hi, first + tl.arange(0, BLOCK_N), r, r < R
+
+
 # the adapter rows and the split of K change from step to step: kept out of Triton's specialisation
 @triton.jit(do_not_specialize=["num_pos", "split_k"])
 def lora_shrink_kernel(x_ptr, x_stride, norm_ptr, eps, a_ptr, rows_ptr, tiles_ptr, s_ptr, num_pos, K, SR, split_k,
@@ -120,12 +131,9 @@ def lora_expand_kernel(s_ptr, b_ptr, y_ptr, y_stride, rows_ptr, tiles_ptr, num_p
     slice's j-th block of BLOCK_N output columns."""
     tile, block, sl = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pdl_start(PDL)
-    slot, pos, live, rows = _tile(tiles_ptr, rows_ptr, tile, BLOCK_M)
-    first, hi = _slice(sl, block, N, S1, S2, BLOCK_N)
+    slot, pos, live, rows, first, hi, cols, r, r_live = _expand_tile(tiles_ptr, rows_ptr, tile, sl, block, N, S1, S2,
+                                                                     R, BLOCK_M, BLOCK_N, BLOCK_R)
     if (slot >= 0) & (first < hi):
-        cols = first + tl.arange(0, BLOCK_N)
-        r = tl.arange(0, BLOCK_R)
-        r_live = r < R
         s_ptrs = s_ptr + pos[:, None] * SR + sl * R + r[None, :]
         s_mask = live[:, None] & r_live[None, :]
         s = tl.load(s_ptrs, mask=s_mask, other=0.0)
@@ -144,12 +152,9 @@ def lora_fused_kernel(x_ptr, x_stride, norm_ptr, eps, a_ptr, b_ptr, y_ptr, y_str
     (t, j, sl), computing first the shrink it needs, a(x) times slice sl's R rows of A, over all of K."""
     tile, block, sl = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pdl_start(PDL)
-    slot, pos, live, rows = _tile(tiles_ptr, rows_ptr, tile, BLOCK_M)
-    first, hi = _slice(sl, block, N, S1, S2, BLOCK_N)
+    slot, pos, live, rows, first, hi, cols, r, r_live = _expand_tile(tiles_ptr, rows_ptr, tile, sl, block, N, S1, S2,
+                                                                     R, BLOCK_M, BLOCK_N, BLOCK_R)
     if (slot >= 0) & (first < hi):
-        cols = first + tl.arange(0, BLOCK_N)
-        r = tl.arange(0, BLOCK_R)
-        r_live = r < R
         s = _shrink(x_ptr, x_stride, norm_ptr, eps, a_ptr + (slot.to(tl.int64) * SR + sl * R) * K, rows, live, 0, K, K,
                     r, r_live, NORM, GATED, BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
         _expand(s, b_ptr + slot.to(tl.int64) * N * R, y_ptr, y_stride, rows, live, cols, cols < hi, R, r, r_live,
