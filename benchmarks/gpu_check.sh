@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything the GPU must show, in one device call: kernel and engine tests, decode attention
+# Everything the GPU must show, in one run: kernel and engine tests, decode attention
 # bandwidth, bench.py. Logs go to $OUT (or ./gpu_logs). Stages: all (default), tests, bench,
 # parallel (two GPUs: TP/DP tests, tp_smoke.py, bench.py at TP 1/2 on Qwen3-8B and DP 1/2),
 # moe (one GPU: the MoE kernel and engine tests, benchmarks/moe.py, bench.py on Qwen3-30B-A3B:

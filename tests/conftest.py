@@ -38,13 +38,13 @@ TINY_MOE = {
 TINY |= TINY_MOE
 
 
-@pytest.fixture(scope="session", params=DENSE)
+@pytest.fixture(scope="package", params=DENSE)
 def tiny_model(request, tmp_path_factory):
     """(directory, transformers model) of a tiny random model of each dense architecture, saved as safetensors."""
     return make_tiny_model(request.param, tmp_path_factory)
 
 
-@pytest.fixture(scope="session", params=list(TINY))
+@pytest.fixture(scope="package", params=list(TINY))
 def tiny_any_model(request, tmp_path_factory):
     """tiny_model's, and a tiny random mixture-of-experts model of each kind (TINY_MOE)."""
     return make_tiny_model(request.param, tmp_path_factory)
@@ -68,7 +68,7 @@ def make_tiny_model(arch, tmp_path_factory):
     return _CACHE[arch]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tiny_qwen3(tmp_path_factory):
     return make_tiny_model("qwen3", tmp_path_factory)
 
