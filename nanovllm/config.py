@@ -51,6 +51,9 @@ class Config:
     run: "mp" (processes of this host) or "ray" (actors on the Ray cluster, nanovllm/executor/ray_replicas.py).
     trust_remote_code: let transformers run the model folder's own Python code for its config and
     tokenizer (vLLM's meaning); the model itself must still be an architecture nanovllm implements.
+    structured_outputs_config: {"backend": "auto" | "guidance" | "xgrammar"}, the grammar library
+    behind SamplingParams.structured_outputs: "guidance" (llguidance), "xgrammar", or "auto"
+    (llguidance when installed, else xgrammar; nanovllm/sampling/structured says why).
 
     After `create`, model is a local path, dtype and kv_cache_dtype torch.dtypes, device a torch.device, load_format,
     attention_backend and max_model_len concrete, and hf_config, tokenizer and eos_token_ids set.
@@ -79,6 +82,7 @@ class Config:
     max_logprobs: int = 20
     distributed_executor_backend: str = "mp"
     trust_remote_code: bool = False
+    structured_outputs_config: dict | None = field(default=None, compare=False)  # a dict: unhashable
     # resolved by create()
     hf_config: object = field(default=None, repr=False)
     tokenizer: object = field(default=None, repr=False, compare=False)
@@ -111,7 +115,8 @@ class Config:
                        max_model_len=_resolve_max_model_len(args.max_model_len, hf_config),
                        eos_token_ids=_eos_token_ids(hf_config, tok), max_model_len_is_default=args.max_model_len is None,
                        generation_defaults=read_generation_defaults(path, load_format)
-                       if args.generation_config == "auto" else {})
+                       if args.generation_config == "auto" else {},
+                       structured_outputs_config={"backend": _resolve_grammar_backend(args.structured_outputs_config)})
 
     def _validate(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size",
@@ -140,6 +145,7 @@ class Config:
                               ("distributed_executor_backend", ("mp", "ray"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
+        _check_structured_outputs_config(self.structured_outputs_config)
         if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError('distributed_executor_backend="ray" needs Ray: pip install "nanovllm[ray]"')
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -149,6 +155,32 @@ class Config:
         if on_gpu and gpus > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size="
                              f"{self.data_parallel_size} needs {gpus} GPUs, but {torch.cuda.device_count()} are visible")
+
+
+GRAMMAR_BACKENDS = {"guidance": "llguidance", "xgrammar": "xgrammar"}  # name -> its package
+
+
+def _check_structured_outputs_config(config):
+    if config is None:
+        return
+    if not isinstance(config, dict) or set(config) - {"backend"}:
+        raise ValueError(f'structured_outputs_config must be a dict with the key "backend", got {config!r}')
+    backend = config.get("backend", "auto")
+    if backend not in ("auto", *GRAMMAR_BACKENDS):
+        raise ValueError(f"structured_outputs_config backend must be one of {['auto', *GRAMMAR_BACKENDS]}, "
+                         f"got {backend!r}")
+    if backend != "auto" and importlib.util.find_spec(GRAMMAR_BACKENDS[backend]) is None:
+        raise ValueError(f"structured_outputs_config backend {backend!r} needs its package: "
+                         f"pip install {GRAMMAR_BACKENDS[backend]}")
+
+
+def _resolve_grammar_backend(config: dict | None) -> str | None:
+    """The backend asked for, or for "auto" the first of GRAMMAR_BACKENDS installed (None: neither;
+    a request with structured_outputs then gets a ValueError naming them)."""
+    backend = (config or {}).get("backend", "auto")
+    if backend == "auto":
+        return next((name for name, package in GRAMMAR_BACKENDS.items() if importlib.util.find_spec(package)), None)
+    return backend
 
 
 def _head_dim(hf_config) -> int:
