@@ -5,6 +5,8 @@ from numbers import Integral
 
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.sampling.structured.compiler import Grammar, GrammarCompiler
+from nanovllm.sampling.structured.state import GrammarState
 from nanovllm.sequence import PLACEHOLDER, Sequence
 from nanovllm.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
@@ -20,6 +22,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list | None = None  # [None, then (step arrays, row) per prompt token] when asked
+    grammar: Grammar | None = None  # params.structured_outputs, compiled (or compiling)
 
     @property
     def finished(self) -> bool:
@@ -34,8 +37,10 @@ class Processor:
     def __init__(self, config: Config):
         self.tokenizer = config.tokenizer
         self._token_texts: dict[int, str] = {}
-        self.vocab_size = config.hf_config.vocab_size
+        self.vocab_size, self.eos_token_ids = config.hf_config.vocab_size, config.eos_token_ids
         self.max_model_len, self.max_logprobs = config.max_model_len, config.max_logprobs
+        self.grammars = GrammarCompiler((config.structured_outputs_config or {}).get("backend"), config.tokenizer,
+                                        self.vocab_size, config.eos_token_ids)
 
     def normalize(self, prompts, sampling_params) -> list[tuple[object, SamplingParams]]:
         """A generate call's prompts paired with their SamplingParams (one for all, or one per
@@ -59,7 +64,8 @@ class Processor:
 
     def make_request(self, request_id: str, prompt, params: SamplingParams) -> Request:
         """Validate one request. prompt: a string, a list of token ids, or a dict with
-        "prompt_token_ids" (and optionally its "prompt" text) or "prompt". Raises ValueError."""
+        "prompt_token_ids" (and optionally its "prompt" text) or "prompt". Raises ValueError. A
+        structured_outputs constraint is validated here and compiled on a thread pool (GrammarCompiler)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
@@ -70,16 +76,19 @@ class Processor:
         ids = self._token_ids(prompt, params.truncate_prompt_tokens)
         if self.tokenizer is None and (params.stop_strings or params.bad_words):
             raise ValueError("stop strings and bad_words need the model's tokenizer, and it has none")
+        grammar = self.grammars.get(params.structured_outputs) if params.structured_outputs is not None else None
         request = Request(request_id, text, ids, params, prompt_logprobs=[None] if params.prompt_logprobs is not None
-                          else None)
+                          else None, grammar=grammar)
         request.seqs.append(self.new_sequence(request, 0))
         request.seqs[0].num_forks = params.n - 1
         return request
 
     def new_sequence(self, request: Request, index: int) -> Sequence:
         """Completion `index` of `request`, with its detokenizer when text is needed token by token
-        (stop strings, or outputs before the end)."""
+        (stop strings, or outputs before the end), and its own grammar matcher (structured outputs)."""
         seq = Sequence(request.prompt_token_ids, request.params, request.request_id, index)
+        if request.grammar is not None:
+            seq.grammar = GrammarState(request.grammar)
         params = request.params
         for word in params.bad_words or ():  # as vLLM: the word alone and after a space
             for text in (word.lstrip(), " " + word.lstrip()):
@@ -158,7 +167,9 @@ class Processor:
         if seq.detokenizer is not None:
             text = seq.detokenizer.text
         elif params.detokenize and self.tokenizer is not None:
-            by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)  # EOS or a stop id
+            # ended by EOS or a stop id (not by a stop string, nor after its grammar's last token)
+            by_token = seq.finish_reason == "stop" and (isinstance(seq.stop_reason, int) or (
+                seq.stop_reason is None and known[-1] in self.eos_token_ids))
             text = self.tokenizer.decode(known[:-1] if by_token and not params.include_stop_str_in_output else known,
                                          skip_special_tokens=params.skip_special_tokens,
                                          spaces_between_special_tokens=params.spaces_between_special_tokens)

@@ -3,9 +3,10 @@
 Each step has a budget of `max_num_batched_tokens`. Running sequences go first, oldest first:
 a decoding sequence takes one token, one still in prefill takes the next chunk of its prompt
 that fits. Waiting sequences are admitted next while budget, `max_num_seqs` and free KV blocks
-allow, starting after their prefix-cache hit. When a running sequence needs a block and none is
-free, the newest running sequence is preempted: its blocks are freed and it is recomputed later
-(its generated tokens are kept). The KV pool always holds one `max_model_len` sequence, so the
+allow, starting after their prefix-cache hit; one whose grammar (structured outputs) is still
+compiling waits, and those behind it may go first. When a running sequence needs a block and
+none is free, the newest running sequence is preempted: its blocks are freed and it is recomputed
+later (its generated tokens are kept). The KV pool always holds one `max_model_len` sequence, so the
 oldest sequence always progresses and there is no deadlock.
 """
 from collections import deque
@@ -50,13 +51,18 @@ class Scheduler:
                 budget -= n
                 i += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = next((s for s in self.waiting if s.grammar is None or s.grammar.ready), None)
+            if seq is None:
+                if not scheduled and not self.running:  # nothing to run until a grammar is compiled
+                    self.waiting[0].grammar.wait()
+                    continue
+                break
             cached = self.block_manager.find_cached_blocks(seq)
             n = min(len(seq) - len(cached) * self.block_manager.block_size, budget)
             if not self.block_manager.allocate_slots(seq, n, cached):
                 break
             seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self.block_manager.block_size
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append((seq, n))
