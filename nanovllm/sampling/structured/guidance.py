@@ -3,7 +3,6 @@ structured outputs: its grammars are built lazily, so "compiling" a schema is pa
 and each mask is computed from the lexer's state over a token trie, in Rust, on its own threads."""
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from nanovllm.sampling.structured.backend import GrammarBackend, Matcher, choice_rule, json_schema
@@ -75,5 +74,8 @@ class GuidanceBackend(GrammarBackend):
         return GuidanceMatcher(compiled.deep_copy())
 
     def fill_bitmask(self, matchers: list[GuidanceMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
-        pairs = [(m.matcher, row) for m, row in zip(matchers, rows)]
-        llguidance.torch.fill_next_token_bitmask_par(self.executor, pairs, bitmask)
+        # llguidance.torch.fill_next_token_bitmask_par without importing llguidance.torch, whose
+        # torch.compile decorator takes seconds to import
+        assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and not bitmask.is_cuda
+        self.executor.unsafe_compute_mask_ptr([(m.matcher, row) for m, row in zip(matchers, rows)],
+                                              bitmask.data_ptr(), bitmask.size(1) * 4, bitmask.size(0))
