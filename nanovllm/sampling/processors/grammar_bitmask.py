@@ -40,9 +40,11 @@ class GrammarBitmask(LogitsProcessor):
         self.num_words = -(-vocab_size // 32)
         self.eos_row = token_bits([t for t in eos_token_ids if t < vocab_size], self.num_words)
         self.bitmask = torch.empty(0, self.num_words, dtype=torch.int32)  # host, pinned on CUDA
-        self.uploaded = torch.cuda.Event() if device.type == "cuda" else None  # the bitmask's last copy ran
-        # the last update(): (seq_id -> index, those rows' sampled tokens on the host, CUDA event of their copy)
-        self.last: tuple[dict[int, int], torch.Tensor | None, object] = ({}, None, None)
+        cuda = device.type == "cuda"
+        self.uploaded = torch.cuda.Event() if cuda else None  # the bitmask's last copy ran
+        self.tokens = torch.empty(0, dtype=torch.int64)  # host, pinned: update()'s copies of the sampled tokens
+        self.copied = torch.cuda.Event() if cuda else None  # the last of those copies ran
+        self.last: tuple[dict[int, int], torch.Tensor | None] = ({}, None)  # update()'s seq_id -> index, tokens
 
     def applies(self, params) -> bool:
         return params.structured_outputs is not None
@@ -71,19 +73,17 @@ class GrammarBitmask(LogitsProcessor):
     def update(self, state: GrammarStep, sampled: torch.Tensor):
         tokens, index = sampled[state.rows], {seq.seq_id: i for i, seq in enumerate(state.seqs)}
         if not tokens.is_cuda:
-            self.last = index, tokens, None
+            self.last = index, tokens
             return
-        _, host, event = self.last
-        if host is None or host.numel() < tokens.numel():  # pinned memory is allocated rarely: it synchronizes
-            host = torch.empty(max(256, 2 * tokens.numel()), dtype=torch.int64, pin_memory=True)
-            event = torch.cuda.Event()
-        host = host[:tokens.numel()]
+        if self.tokens.numel() < tokens.numel():  # rarely: allocating pinned memory synchronizes
+            self.tokens = torch.empty(max(256, 2 * tokens.numel()), dtype=torch.int64, pin_memory=True)
+        host = self.tokens[:tokens.numel()]
         host.copy_(tokens, non_blocking=True)
-        event.record()
-        self.last = index, host, event
+        self.copied.record()
+        self.last = index, host
 
     def reset(self):
-        self.last = ({}, None, None)
+        self.last = ({}, None)
 
     def _last_tokens(self, seqs: list[Sequence]) -> dict[int, int]:
         """seq_id -> the token each of seqs sampled in the previous step, for those whose last
@@ -91,9 +91,9 @@ class GrammarBitmask(LogitsProcessor):
         pending = [seq for seq in seqs if seq.token_ids[-1] == PLACEHOLDER]
         if not pending:
             return {}
-        index, host, event = self.last
-        if event is not None:
-            event.synchronize()
+        index, host = self.last
+        if self.copied is not None:
+            self.copied.synchronize()
         values = host.tolist()
         return {seq.seq_id: values[index[seq.seq_id]] for seq in pending}
 
