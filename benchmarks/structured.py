@@ -124,7 +124,8 @@ def run_structured(llm, args, prompts: list, max_tokens: list[int], sampling: di
     params = [SamplingParams(max_tokens=m, structured_outputs=schema_params(i, args.num_schemas),
                              **{**sampling, "ignore_eos": False}) if c else SamplingParams(max_tokens=m, **free)
               for i, (m, c) in enumerate(zip(max_tokens, constrained))]
-    llm.generate(prompts[:2 * args.num_schemas], params[:2 * args.num_schemas], use_tqdm=False)  # warm-up
+    warm = [SamplingParams(max_tokens=16, structured_outputs=schema_params(i, args.num_schemas)) for i in range(8)]
+    llm.generate(prompts[:8], warm, use_tqdm=False)  # the mask kernel's compile, the buffers
     llm.reset_prefix_cache()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=args.tqdm)

@@ -20,7 +20,8 @@ class Sequence:
     num_computed_tokens (the tokens whose K/V are in the cache or computed by a launched step;
     the tokens after it are what the next step must run); the BlockManager block_table and
     num_hashed_blocks; the LLMEngine token_ids and the output state (stop_reason, logprobs,
-    detokenizer); its Processor bad_words_ids and grammar. index: which of its request's n completions this is.
+    detokenizer); its Processor bad_words_ids and grammar. index: which of its request's n
+    completions this is.
     """
     _ids = count()
 

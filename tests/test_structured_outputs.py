@@ -32,6 +32,7 @@ PERSON = {"type": "object", "properties": {
     "required": ["name", "age", "tags", "home"], "additionalProperties": False}
 REGEX = r"[a-c]{2}-[0-9]{1,3}"
 LARK = 'start: "(" expr ")"\nexpr: NUM | NUM "+" NUM\nNUM: /[0-9]{1,2}/'
+GBNF = 'root ::= "<" item ("," item)? ">"\nitem ::= [a-z] [a-z]?'
 
 
 def json_params(**kwargs):
@@ -138,15 +139,16 @@ def reference(hf, backend: str, tokenizer, prompt, params: StructuredOutputsPara
 
 
 def test_constrained_greedy_is_the_masked_argmax(llm, tiny):
-    """A batch of JSON-schema, regex, choice and Lark rows between free rows: each constrained
+    """A batch of JSON-schema, regex, choice, Lark and GBNF rows between free rows: each constrained
     row's tokens are the argmax of transformers' logits under its grammar's mask, step by step,
     ending ("stop") where the grammar is complete; free rows equal transformers' greedy ones.
     Constrained tokens stay inside the tokenizer's 300 ids, and their text satisfies the constraint."""
     path, hf, tokenizer = tiny
     backend = llm.config.structured_outputs_config["backend"]
     constraints = [json_params(), None, StructuredOutputsParams(regex=REGEX),
-                   StructuredOutputsParams(choice=["red", "green", "blue"]), None, StructuredOutputsParams(grammar=LARK)]
-    prompts = [tokenizer.encode(p) for p in ["Alice", "The quick", "yes no", "red green", "null", "[1, 2"]]
+                   StructuredOutputsParams(choice=["red", "green", "blue"]), None,
+                   StructuredOutputsParams(grammar=LARK), StructuredOutputsParams(grammar=GBNF)]
+    prompts = [tokenizer.encode(p) for p in ["Alice", "The quick", "yes no", "red green", "null", "[1, 2", "a, b"]]
     params = [SamplingParams(temperature=0, max_tokens=60 if c else 12, ignore_eos=c is None, structured_outputs=c)
               for c in constraints]
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -157,15 +159,43 @@ def test_constrained_greedy_is_the_masked_argmax(llm, tiny):
             continue
         expected, ended = reference(hf, backend, tokenizer, prompt, c, 60)
         assert got.token_ids == expected and ended and got.finish_reason == "stop", (c.kind, got.text)
-        assert max(got.token_ids) < TOKENIZER_SIZE and got.text == tokenizer.decode(got.token_ids, skip_special_tokens=True)
+        assert max(got.token_ids) < TOKENIZER_SIZE
+        assert got.text == tokenizer.decode(got.token_ids, skip_special_tokens=True)
         if c.kind == "json":
             jsonschema.validate(json.loads(got.text), PERSON)
         elif c.kind == "regex":
             assert re.fullmatch(REGEX, got.text)
         elif c.kind == "choice":
             assert got.text in c.choice
-        else:
+        elif c.grammar == LARK:
             assert re.fullmatch(r"\([0-9]{1,2}(\+[0-9]{1,2})?\)", got.text)
+        else:
+            assert re.fullmatch(r"<[a-z]{1,2}(,[a-z]{1,2})?>", got.text)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_engines_eos_ids_are_the_stop_tokens(tiny, backend):
+    """Given a bare tokenizer (no EOS set, from which the libraries would guess), a complete
+    grammar allows the engine's EOS ids and nothing else."""
+    from transformers import PreTrainedTokenizerFast
+    from nanovllm.sampling.structured.compiler import GrammarCompiler
+    from nanovllm.sampling.structured.state import GrammarState
+    bare = PreTrainedTokenizerFast(tokenizer_object=tiny[2].backend_tokenizer)
+    assert bare.eos_token_id is None
+    eos = {EOS, 7}
+    grammars = GrammarCompiler(backend, bare, 320, eos)
+    state, seq = GrammarState(grammars.get(StructuredOutputsParams(choice=["ab", "abc"]))), type("Seq", (), {})()
+    seq.num_prompt_tokens, seq.request_id = 0, "eos"
+    seq.token_ids = [bare.convert_tokens_to_ids(c) for c in "ab"]  # "ab" is complete, "abc" may follow
+    assert not state.advance(seq)
+    bitmask = torch.zeros(1, 10, dtype=torch.int32)
+    grammars.backend.fill_bitmask([state.matcher], bitmask, [0])
+    allowed = set(np.flatnonzero(np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")).tolist())
+    assert eos < allowed and allowed - eos and all(bare.convert_ids_to_tokens(t).startswith("c") for t in allowed - eos)
+    seq.token_ids.append(bare.convert_tokens_to_ids("c"))
+    state.advance(seq)
+    grammars.backend.fill_bitmask([state.matcher], bitmask, [0])
+    assert set(np.flatnonzero(np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")).tolist()) == eos
 
 
 def test_sampled_outputs_validate_and_repeat_with_their_seed(llm, tiny):
@@ -383,7 +413,8 @@ def test_structured_outputs_on_the_gpu(tiny, enforce_eager):
     outs = big.generate(prompts * 8, SamplingParams(temperature=0.6, max_tokens=80, structured_outputs=json_params()),
                         use_tqdm=False)
     for out in outs:
-        assert max(out.outputs[0].token_ids) < TOKENIZER_SIZE or out.outputs[0].token_ids[-1] in big.config.eos_token_ids
+        ids = out.outputs[0].token_ids
+        assert max(ids) < TOKENIZER_SIZE or (max(ids[:-1]) < TOKENIZER_SIZE and ids[-1] in big.config.eos_token_ids)
         jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
 
 

@@ -46,8 +46,9 @@ def test_structured_outputs_on_real_weights(llm):
     rows = [  # (prompt, params, check of each completion's text)
         (person, SamplingParams(temperature=0, max_tokens=120, structured_outputs=StructuredOutputsParams(
             json=PERSON)), "person"),
-        (person, SamplingParams(temperature=1.0, seed=11, max_tokens=120, n=3, structured_outputs=StructuredOutputsParams(
-            json=json.dumps(PERSON), disable_any_whitespace=True)), "person"),
+        (person, SamplingParams(temperature=1.0, seed=11, max_tokens=120, n=3,
+                                structured_outputs=StructuredOutputsParams(json=json.dumps(PERSON),
+                                                                           disable_any_whitespace=True)), "person"),
         ("Write a haiku about the sea.", SamplingParams(temperature=0, max_tokens=24), None),
         ("When did the Apollo 11 mission land on the moon? Answer with the date.", SamplingParams(
             temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex=DATE)), "date"),

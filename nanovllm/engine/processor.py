@@ -65,7 +65,8 @@ class Processor:
     def make_request(self, request_id: str, prompt, params: SamplingParams) -> Request:
         """Validate one request. prompt: a string, a list of token ids, or a dict with
         "prompt_token_ids" (and optionally its "prompt" text) or "prompt". Raises ValueError. A
-        structured_outputs constraint is validated here and compiled on a thread pool (GrammarCompiler)."""
+        structured_outputs constraint is validated here (GrammarCompiler; it compiles on a thread
+        pool once the scheduler first considers the request)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
@@ -169,7 +170,7 @@ class Processor:
         elif params.detokenize and self.tokenizer is not None:
             # ended by EOS or a stop id (not by a stop string, nor after its grammar's last token)
             by_token = seq.finish_reason == "stop" and (isinstance(seq.stop_reason, int) or (
-                seq.stop_reason is None and known[-1] in self.eos_token_ids))
+                seq.stop_reason is None and bool(known) and known[-1] in self.eos_token_ids))
             text = self.tokenizer.decode(known[:-1] if by_token and not params.include_stop_str_in_output else known,
                                          skip_special_tokens=params.skip_special_tokens,
                                          spaces_between_special_tokens=params.spaces_between_special_tokens)

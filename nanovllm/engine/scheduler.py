@@ -5,9 +5,9 @@ a decoding sequence takes one token, one still in prefill takes the next chunk o
 that fits. Waiting sequences are admitted next while budget, `max_num_seqs` and free KV blocks
 allow, starting after their prefix-cache hit; one whose grammar (structured outputs) is still
 compiling waits, and those behind it may go first. When a running sequence needs a block and
-none is free, the newest running sequence is preempted: its blocks are freed and it is recomputed
-later (its generated tokens are kept). The KV pool always holds one `max_model_len` sequence, so the
-oldest sequence always progresses and there is no deadlock.
+none is free, the newest running sequence is preempted: its blocks are freed and it is
+recomputed later (its generated tokens are kept). The KV pool always holds one `max_model_len`
+sequence, so the oldest sequence always progresses and there is no deadlock.
 """
 from collections import deque
 
