@@ -337,6 +337,8 @@ def main():
         p.error("--structured runs one nanovllm engine, n=1, without --profile or --step-stats, 1-8 schemas")
     if args.structured and args.load_format == "dummy" and not args.tokenizer:
         p.error("--structured needs a tokenizer: --tokenizer DIR (dummy weights come without one)")
+    if args.tokenizer and args.load_format != "dummy":
+        p.error("--tokenizer gives dummy weights a tokenizer; a checkpoint brings its own")
     if args.tokenizer:
         args.model = model_with_tokenizer(args.model, args.load_format, args.tokenizer)
     if not torch.cuda.is_available():
