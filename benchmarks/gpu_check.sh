@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Everything the GPU must show, in one device call: kernel and engine tests, decode attention
 # bandwidth, bench.py. Logs go to $OUT (or ./gpu_logs). Stages: all (default), tests, bench,
-# parallel (two GPUs: TP/DP tests, tp_smoke.py, bench.py at TP 1/2 on Qwen3-8B and DP 1/2).
+# parallel (two GPUs: TP/DP tests, tp_smoke.py, bench.py at TP 1/2 on Qwen3-8B and DP 1/2),
+# structured (structured outputs: its tests, the host's mask work per step, bench.py --structured
+# json all rows / half the rows / with xgrammar; needs llguidance, xgrammar and jsonschema, and a
+# Qwen3 tokenizer folder, $TOKENIZER, default ./qwen3-tokenizer).
 set -uo pipefail
 out=${OUT:-gpu_logs}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0
@@ -21,5 +24,15 @@ if [[ $stage == parallel ]]; then
   for run in "tp1 --model qwen3-8b --tp 1" "tp2 --model qwen3-8b --tp 2" "dp1" "dp2 --dp 2"; do
     set -- $run
     python bench.py --json "$out/$1.json" "${@:2}" 2>&1 | grep -v Warn | tee "$out/$1.log" | tail -1
+  done
+fi
+if [[ $stage == structured ]]; then
+  tok=${TOKENIZER:-qwen3-tokenizer}
+  python -m pytest -q tests/test_structured_outputs.py 2>&1 | tee "$out/structured_tests.log" | tail -5
+  python benchmarks/structured.py --tokenizer "$tok" 2>&1 | grep -v Warn | tee "$out/structured_host.log"
+  for run in "all" "half --structured-fraction 0.5" "xgrammar --structured-backend xgrammar"; do
+    set -- $run
+    python bench.py --structured json --tokenizer "$tok" --json "$out/structured_$1.json" "${@:2}" 2>&1 | grep -v Warn \
+      | tee "$out/structured_$1.log" | tail -3
   done
 fi
