@@ -3,8 +3,9 @@ the model's 320 logits, so the padding columns are masked too): the token bitmas
 numpy; constrained greedy completions equal the argmax of transformers' logits under the
 library's own mask, step by step, in a batch with free rows that equal transformers' greedy
 ones; the grammars' stop tokens are the engine's EOS ids; sampled completions validate and repeat
-with their seed; n > 1, preemption, max_tokens, stop strings and the grammar's end; rollback; bad
-input; the scheduler's rule for compiling grammars; tensor and data parallelism. On CUDA (skipped
+with their seed; n > 1, preemption, max_tokens, stop strings and the grammar's end; rollback; no
+speculative drafts for a constrained sequence; bad input; the scheduler's rule for compiling
+grammars, beside LoRA's; tensor and data parallelism. On CUDA (skipped
 here): the kernel at Qwen3's size, and the engine with CUDA graphs and truly overlapped steps."""
 import importlib.util
 import json
@@ -295,6 +296,32 @@ def test_rollback_takes_tokens_back(llm, tiny):
     assert state.advance(seq) and not state.refused
 
 
+def test_a_constrained_sequence_takes_no_drafts(llm, tiny):
+    """Speculative decoding's seam: add_draft_tokens takes no drafts for a completion with a
+    grammar (its matcher, as every logits processor's state, follows one sampled row per step),
+    while a free sequence decoding beside it takes them; the completion is the one made alone."""
+    from nanovllm.sequence import SequenceStatus
+    tokenizer = tiny[2]
+    engine = llm.engine
+    prompt = tokenizer.encode("Alice")
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=json_params())
+    [alone] = llm.generate([prompt], params, use_tqdm=False)
+    drafts = list(alone.outputs[0].token_ids)  # the right drafts: refused all the same
+    engine.add_request("json", {"prompt_token_ids": prompt}, params)
+    engine.add_request("free", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=40))
+    seq, free = engine.requests["json"].seqs[0], engine.requests["free"].seqs[0]
+    finished, checked = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        decoding = lambda s: s.status == SequenceStatus.RUNNING and s.num_computed_tokens == len(s) - 1  # noqa: E731
+        if decoding(seq) and decoding(free) and seq.seq_id not in engine.scheduler.drafts:
+            assert engine.add_draft_tokens(seq, drafts[:3]) == 0 and seq.seq_id not in engine.scheduler.drafts
+            checked += engine.add_draft_tokens(free, [1]) == 1
+    assert checked and finished["json"].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("bad, field", [
     (dict(json={"type": "integer", "minimum": 5, "maximum": 1}), "structured_outputs.json"),
     (dict(json={"type": "nonsense"}), "structured_outputs.json"),
@@ -364,6 +391,33 @@ def test_scheduler_starts_a_sequence_once_its_grammar_is_compiled():
     assert [s for s, _ in scheduler.schedule()] == [free] and list(scheduler.waiting) == [held]
     scheduler.running.clear()  # as if free had finished
     assert [s for s, _ in scheduler.schedule()] == [held] and Compiling.waits == 1
+
+
+def test_the_grammar_and_lora_rules_pass_over_sequences_in_order():
+    """A sequence whose grammar compiles and one of an adapter without a slot both wait, in their
+    order, while those behind them start."""
+    from nanovllm.engine.block_manager import BlockManager
+    from nanovllm.engine.scheduler import Scheduler
+    from nanovllm import LoRARequest
+    from nanovllm.sequence import Sequence
+
+    class Compiling:
+        ready = False
+
+    scheduler = Scheduler(8, 100, BlockManager(64, 16), max_loras=1)
+    lora = {i: LoRARequest(f"a{i}", i, "/x") for i in (1, 2)}
+    running, held, other, free = (Sequence([1, 2, 3], SamplingParams(), lora_request=lora.get(i)) for i in (1, 0, 2, 1))
+    scheduler.add(running)
+    assert [s for s, _ in scheduler.schedule()] == [running]
+    running.token_ids.append(4)  # its next token, as the engine appends it
+    held.grammar = Compiling()
+    for seq in (held, other, free):
+        scheduler.add(seq)
+    assert [s for s, _ in scheduler.schedule()] == [running, free] and list(scheduler.waiting) == [held, other]
+    held.grammar.ready = True
+    running.token_ids.append(5)
+    free.token_ids.append(4)
+    assert [s for s, _ in scheduler.schedule()] == [running, free, held] and list(scheduler.waiting) == [other]
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
