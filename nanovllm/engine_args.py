@@ -14,6 +14,7 @@ DTYPES = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfl
 DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", *BACKENDS)
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}  # and "auto"
+GRAMMAR_BACKENDS = {"guidance": "llguidance", "xgrammar": "xgrammar"}  # structured outputs' backends -> packages
 
 
 @dataclass
@@ -53,6 +54,9 @@ class EngineArgs:
     enable_lora: serve PEFT LoRA adapters (generate(..., lora_request=...)); max_loras: adapters in
     one step (their slots on the device); max_lora_rank: the largest adapter rank; max_cpu_loras:
     adapters kept on the host (default max_loras, at least as many).
+    structured_outputs_config: {"backend": "auto" | "guidance" | "xgrammar"}, the grammar library
+    behind SamplingParams.structured_outputs: "guidance" (llguidance), "xgrammar", or "auto"
+    (llguidance when installed, else xgrammar; nanovllm/sampling/structured says why).
     """
     model: str
     max_num_seqs: int = 256
@@ -82,6 +86,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    structured_outputs_config: dict | None = None
 
     def validate(self):
         """Raise ValueError naming the first argument that is wrong and what it allows (what needs
@@ -118,6 +123,7 @@ class EngineArgs:
                               ("distributed_executor_backend", ("mp", "ray"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
+        self._validate_structured_outputs_config()
         if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError('distributed_executor_backend="ray" needs Ray: pip install "nanovllm[ray]"')
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -128,3 +134,17 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size="
                              f"{self.data_parallel_size} needs {gpus} GPUs, but {torch.cuda.device_count()} are visible")
 
+
+    def _validate_structured_outputs_config(self):
+        config = self.structured_outputs_config
+        if config is None:
+            return
+        if not isinstance(config, dict) or set(config) - {"backend"}:
+            raise ValueError(f'structured_outputs_config must be a dict with the key "backend", got {config!r}')
+        backend = config.get("backend", "auto")
+        if backend not in ("auto", *GRAMMAR_BACKENDS):
+            raise ValueError(f"structured_outputs_config backend must be one of {['auto', *GRAMMAR_BACKENDS]}, "
+                             f"got {backend!r}")
+        if backend != "auto" and importlib.util.find_spec(GRAMMAR_BACKENDS[backend]) is None:
+            raise ValueError(f"structured_outputs_config backend {backend!r} needs its package: "
+                             f"pip install {GRAMMAR_BACKENDS[backend]}")
