@@ -244,6 +244,11 @@ def run_nanovllm(args, prompts, max_tokens):
         print(f"KV cache: {runner.num_kvcache_blocks} blocks of {runner.block_size} = "
               f"{runner.num_kvcache_blocks * runner.block_size} tokens in {runner.kv_spec.dtype}"
               + (f" (and a {staging / 2**20:.0f} MiB staging area for prefill attention)" if staging else ""))
+        need = sum(args.n * (len(p) + m) for p, m in zip(prompts, max_tokens))
+        if need > runner.num_kvcache_blocks * runner.block_size:
+            print(f"the workload's sequences need {need} tokens of KV cache at once, more than it holds: the "
+                  "engine runs fewer at a time than the floor's schedule, which has them all (so more steps, "
+                  "each reading the weights): the fraction of the floor understates the kernels")
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                     presence_penalty=args.presence_penalty, logprobs=args.logprobs, flat_logprobs=args.flat_logprobs,
                     ignore_eos=True)
