@@ -10,7 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from nanovllm.kernels.lora import lora_expand, lora_shrink  # noqa: E402
+from nanovllm.kernels.lora import MAX_SPLIT_K, lora_expand, lora_shrink, split_k_for  # noqa: E402
 from nanovllm.layers.lora import lora_mapping, lora_reference, tile_slots  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -102,6 +102,19 @@ def test_prefill_sized_tiles(block_m):
     expected = lora_reference(y.clone(), x, a, b, rows, groups, (0, 72, 144), **kwargs)
     s = lora_shrink(x, a, rows, tiles, block_m, **kwargs)
     assert_close(lora_expand(y.clone(), s, b, rows, tiles, block_m, (0, 72, 144)), expected, torch.float32, 230 + 16)
+
+
+def test_every_split_of_k_has_work():
+    """The shrink's K split (as the kernel cuts it: whole BLOCK_K steps) covers K, leaves no program
+    without a step, and runs at most ~64 programs."""
+    for k in (72, 200, 1024, 2048, 3072, 5120):
+        for block_k in (64, 128):
+            for num_tiles in range(0, 72, 4):
+                split = split_k_for(k, block_k, num_tiles)
+                k_len = -(-(-(-k // split)) // block_k) * block_k
+                assert (split - 1) * k_len < k <= split * k_len, (k, block_k, num_tiles, split)
+                assert 1 <= split <= MAX_SPLIT_K and (split == 1 or split * num_tiles <= 64)
+    assert split_k_for(1024, 128, 12) == 4  # 5 asked of 8 steps: 4 of 2, no fifth program without any
 
 
 def test_mapping_covers_every_adapter_row_once():

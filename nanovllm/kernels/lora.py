@@ -49,8 +49,8 @@ def lora_shrink_kernel(x_ptr, x_stride, norm_ptr, eps, a_ptr, rows_ptr, tiles_pt
                        NORM: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Grid (num_tiles, split_k): program (t, k) writes s[k, pos, :SR] (s: [split_k, num_pos, SR]
-    float32) for tile t's positions: the k-th of split_k slices of K (whole BLOCK_K steps) of
-    a(x) A_slot^T, all of the slot's SR = S * R rows of A (K apart) at once."""
+    float32) for tile t's positions: the k-th of split_k slices of K (whole BLOCK_K steps, none
+    empty) of a(x) A_slot^T, all of the slot's SR = S * R rows of A (K apart) at once."""
     tile, split = tl.program_id(0), tl.program_id(1)
     pdl_start(PDL)
     slot, pos, live, rows = _tile(tiles_ptr, rows_ptr, tile, BLOCK_M)
@@ -127,6 +127,15 @@ def _rank_block(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
 
+def split_k_for(k: int, block_k: int, num_tiles: int) -> int:
+    """How many programs share each tile's K: until ~64 programs run (a decode step's few tiles
+    alone would leave most SMs idle), at most MAX_SPLIT_K, each whole BLOCK_K steps and none
+    without any (5 asked of 8 steps: 4 splits of 2, not a fifth that sums nothing)."""
+    steps = triton.cdiv(k, block_k)
+    asked = max(1, min(MAX_SPLIT_K, steps, 64 // max(num_tiles, 1)))
+    return triton.cdiv(steps, triton.cdiv(steps, asked))
+
+
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, rows: torch.Tensor, tiles: torch.Tensor, block_m: int,
                 norm: tuple[torch.Tensor, float] | None = None, gated: bool = False) -> torch.Tensor:
     """s = a(x) A^T for every position of rows in a tile: [split_k, len(rows), S * R] float32, the
@@ -139,8 +148,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, rows: torch.Tensor, tiles
     norm_weight, eps = norm if norm is not None else (lora_a, 0.0)
     fp32 = x.dtype == torch.float32  # float32 products on the CUDA cores, not in TF32
     block_k = 64 if fp32 else 128
-    # K split until ~64 programs run: a decode step's few tiles alone would leave most SMs idle
-    split_k = max(1, min(MAX_SPLIT_K, triton.cdiv(k, block_k), 64 // max(num_tiles, 1)))
+    split_k = split_k_for(k, block_k, num_tiles)
     s = torch.empty(split_k, rows.numel(), sr, dtype=torch.float32, device=x.device)
     if num_tiles:
         lora_shrink_kernel[(num_tiles, split_k)](
