@@ -64,7 +64,9 @@ def lora_shrink_kernel(x_ptr, x_stride, norm_ptr, eps, a_ptr, rows_ptr, tiles_pt
         inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
         if NORM:  # the mean of x^2 over all of K, whatever slice of K this program multiplies
             sq = tl.zeros([BLOCK_M], tl.float32)
-            for k in range(0, K, BLOCK_K):
+            # pipelined as the product's loop is (Triton pipelines only loops with a dot unless
+            # asked): a decode step's program otherwise waits out every BLOCK_K load of x in turn
+            for k in tl.range(0, K, BLOCK_K, num_stages=3):
                 cols = k + tl.arange(0, BLOCK_K)
                 v = tl.load(x_rows + cols[None, :], mask=live[:, None] & (cols[None, :] < K), other=0.0).to(tl.float32)
                 sq += tl.sum(v * v, 1)
