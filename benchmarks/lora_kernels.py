@@ -1,10 +1,9 @@
 """What LoRA adds to a decode step of Qwen3-0.6B at M rows, us per layer: the layer's four products
 chained as the model chains them (linear.norm_linear for qkv_proj and gate_up_proj), 28 layers
 with their own weights and slot tables in one CUDA graph, through LoRALinearMethod: the base alone,
-then with the deltas of rank-R adapters (all M rows spread over N adapters) on all four kinds of
-layers and on qkv_proj alone (an adapter of q and v), each by the fused kernel and by shrink +
-expand (layers/lora.py picks fused up to FUSED_MAX_ROWS rows). Every variant is first checked
-against the torch path on the first layer's output (bf16: the two round differently).
+then with the deltas of rank-R adapters (all M rows spread over N adapters), shrink then expand,
+on all four kinds of layers and on qkv_proj alone (an adapter of q and v). Every variant is first
+checked against the torch path on the first layer's output (bf16: the two round differently).
 
     python benchmarks/lora_kernels.py [--m 1 8 16 32 64 256] [--adapters 1 8] [--rank 16]
 """
@@ -77,15 +76,12 @@ def main():
             index, num_tiles, groups = lora_mapping(slots, 16, tile_slots(m, max_loras))
             for kinds in (frozenset(KINDS), frozenset({"qkv_proj"})):
                 context.set_step(torch.from_numpy(index).cuda(), num_tiles, 16, groups, kinds)
-                for fused in (True, False):
-                    context.fused, context.use_triton = fused, True
-                    out = forward(layers[:1], norm, x)
-                    context.use_triton = False
-                    torch.testing.assert_close(out, forward(layers[:1], norm, x), rtol=2e-2, atol=2e-2)
-                    context.use_triton = True
-                    us = time_graph(lambda: forward(layers, norm, x))
-                    what = "all" if len(kinds) == 4 else "qkv"
-                    row.append(f"{n} adapters {what} {'fused' if fused else 'split'} +{us - base:5.2f}")
+                out = forward(layers[:1], norm, x)  # the kernels, then the torch path
+                context.use_triton = False
+                torch.testing.assert_close(out, forward(layers[:1], norm, x), rtol=2e-2, atol=2e-2)
+                context.use_triton = True
+                us = time_graph(lambda: forward(layers, norm, x))
+                row.append(f"{n} adapters {'all' if len(kinds) == 4 else 'qkv'} +{us - base:5.2f}")
         print(" | ".join(row))
 
 

@@ -72,7 +72,7 @@ def test_mixed_batch_equals_each_alone(llm, tiny):
 @needs_interpreter
 def test_triton_kernels_through_the_engine(tiny):
     """attention_backend="triton" on CPU: the LoRA kernels too, in Triton's interpreter (eager steps:
-    the fused kernel for decode steps, shrink and expand for prefill steps of more rows)."""
+    tiles of 16 rows for decode steps, of 64 for prefill steps of more rows)."""
     path, requests, expected, models = tiny
     llm = LLM(path, attention_backend="triton", **{**ARGS, "max_num_batched_tokens": 256})
     manager, block_ms = llm.engine.model_runner.lora, set()

@@ -2,9 +2,8 @@
 the base and the deltas differently from transformers and flips random-weight near-ties): the
 tiny Qwen3's three PEFT adapters give transformers + peft's tokens with CUDA graphs (each graph
 variant: attention-only adapters replay graphs without the MLP's deltas) and eager, alone and
-mixed, in graphs of the fused kernel (batches up to 16) and of shrink + expand (32); Qwen3-0.6B's
-shapes with three rank-16 adapters against transformers + peft (up to TF32 ties: same_greedy);
-TP=2 on two GPUs equals one GPU."""
+mixed, in graphs of 1, 8 and 32 sequences; Qwen3-0.6B's shapes with three rank-16 adapters
+against transformers + peft (up to TF32 ties: same_greedy); TP=2 on two GPUs equals one GPU."""
 import gc
 
 import pytest

@@ -1,5 +1,5 @@
 """LoRA's products for a batch of mixed adapters (kernels/lora.py, layers/lora.py): the torch path
-against a float64 loop over rows, and the Triton kernels (shrink + expand, and fused) against the
+against a float64 loop over rows, and the Triton kernels (shrink then expand) against the
 torch path at awkward sizes: K not a multiple of the K step, a rank below the slot's, one to three
 packed slices of unequal widths, rows of every adapter interleaved with rows of none (poisoned
 with NaN: they must come out untouched), partial and spare tiles, K split over programs. Without
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from nanovllm.kernels.lora import lora_expand, lora_fused, lora_shrink  # noqa: E402
+from nanovllm.kernels.lora import MAX_SPLIT_K, lora_expand, lora_shrink, split_k_for  # noqa: E402
 from nanovllm.layers.lora import lora_mapping, lora_reference, tile_slots  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -82,19 +82,15 @@ def test_reference_matches_a_float64_loop(mode, bounds):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else []))
-@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("bounds", [(0, 48), (0, 56, 112), (0, 40, 64, 200)])
-def test_kernels_match_the_reference(bounds, mode, fused, dtype):
+def test_kernels_match_the_reference(bounds, mode, dtype):
     """37 rows of 3 adapters (tiles of 16 rows, spare tiles slot -1), K = 200: four K steps in float32."""
     (x, a, b, y), tiles, rows, groups, kwargs, _ = problem(37, 200, bounds, 3, 12, mode, dtype, 2)
     expected = lora_reference(y.clone(), x, a, b, rows, groups, bounds, **kwargs)
-    if fused:
-        actual = lora_fused(y.clone(), x, a, b, rows, tiles, 16, bounds, **kwargs)
-    else:
-        s = lora_shrink(x, a, rows, tiles, 16, **kwargs)
-        assert s.size(0) > 1  # K split over programs: the expand sums the partials
-        actual = lora_expand(y.clone(), s, b, rows, tiles, 16, bounds)
+    s = lora_shrink(x, a, rows, tiles, 16, **kwargs)
+    assert s.size(0) > 1  # K split over programs: the expand sums the partials
+    actual = lora_expand(y.clone(), s, b, rows, tiles, 16, bounds)
     assert_close(actual, expected, dtype, 200 + 12)
 
 
@@ -106,8 +102,19 @@ def test_prefill_sized_tiles(block_m):
     expected = lora_reference(y.clone(), x, a, b, rows, groups, (0, 72, 144), **kwargs)
     s = lora_shrink(x, a, rows, tiles, block_m, **kwargs)
     assert_close(lora_expand(y.clone(), s, b, rows, tiles, block_m, (0, 72, 144)), expected, torch.float32, 230 + 16)
-    assert_close(lora_fused(y.clone(), x, a, b, rows, tiles, block_m, (0, 72, 144), **kwargs), expected, torch.float32,
-                 230 + 16)
+
+
+def test_every_split_of_k_has_work():
+    """The shrink's K split (as the kernel cuts it: whole BLOCK_K steps) covers K, leaves no program
+    without a step, and runs at most ~64 programs."""
+    for k in (72, 200, 1024, 2048, 3072, 5120):
+        for block_k in (64, 128):
+            for num_tiles in range(0, 72, 4):
+                split = split_k_for(k, block_k, num_tiles)
+                k_len = -(-(-(-k // split)) // block_k) * block_k
+                assert (split - 1) * k_len < k <= split * k_len, (k, block_k, num_tiles, split)
+                assert 1 <= split <= MAX_SPLIT_K and (split == 1 or split * num_tiles <= 64)
+    assert split_k_for(1024, 128, 12) == 4  # 5 asked of 8 steps: 4 of 2, no fifth program without any
 
 
 def test_mapping_covers_every_adapter_row_once():
@@ -123,8 +130,8 @@ def test_mapping_covers_every_adapter_row_once():
 
 
 @pytest.mark.skipif(not CUDA, reason="bfloat16 at Qwen3-0.6B's shapes on the GPU")
-@pytest.mark.parametrize("num_rows,fused", [(1, True), (8, True), (256, False), (4096, False)])
-def test_kernels_at_model_shapes_on_cuda(num_rows, fused):
+@pytest.mark.parametrize("num_rows", [1, 8, 256, 4096])
+def test_kernels_at_model_shapes_on_cuda(num_rows):
     """qkv_proj (norm), gate_up_proj and down_proj (gated) of Qwen3-0.6B, rank 16, 8 adapters."""
     for k, bounds, mode in ((1024, (0, 2048, 3072, 4096), "norm"), (1024, (0, 3072, 6144), "plain"),
                             (3072, (0, 1024), "gated")):
@@ -132,9 +139,6 @@ def test_kernels_at_model_shapes_on_cuda(num_rows, fused):
         (x, a, b, y), tiles, rows, groups, kwargs, _ = problem(num_rows, k, bounds, 8, 16, mode, torch.bfloat16, 4,
                                                                block_m=block_m, pad=num_rows <= 256)
         expected = lora_reference(y.clone(), x, a, b, rows, groups, bounds, **kwargs)
-        if fused:
-            actual = lora_fused(y.clone(), x, a, b, rows, tiles, block_m, bounds, **kwargs)
-        else:
-            actual = lora_expand(y.clone(), lora_shrink(x, a, rows, tiles, block_m, **kwargs), b, rows, tiles,
-                                 block_m, bounds)
+        actual = lora_expand(y.clone(), lora_shrink(x, a, rows, tiles, block_m, **kwargs), b, rows, tiles, block_m,
+                             bounds)
         assert_close(actual, expected, torch.bfloat16, k + 16)

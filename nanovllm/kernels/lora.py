@@ -14,12 +14,15 @@ tile is neither read nor written, so rows without an adapter cost nothing.
 a(x) is x; silu(gate) * up of x = [gate | up] (gated: SwiGLU's down_proj, whose base kernel
 applies the gate itself); or RMSNorm(x) * norm_weight (norm: a pre-norm block's first product,
 whose base kernel may keep the normed input to itself, gemv.py's norm_gemv), each rounded as the
-torch layers round it. Two ways to the same sums: lora_shrink (s = a(x) A^T per tile, float32, K
+torch layers round it. Punica's pair of kernels: lora_shrink (s = a(x) A^T per tile, float32, K
 split over programs when tiles are few) then lora_expand (y += s B^T per tile, slice and block of
-output columns), Punica's pair, for many rows; or lora_fused, where each program recomputes its
-tile's shrink for the one slice it expands: one launch instead of two for steps of few rows,
-where a launch costs more than the repeated shrink. Products in float32 (tensor cores for 16-bit
-inputs); the shrink's result rounded to the model dtype before the expand, as PEFT rounds it.
+output columns). Products in float32 (tensor cores for 16-bit inputs); the shrink's result rounded
+to the model dtype before the expand, as PEFT rounds it.
+
+Two launches per product at every step size: one kernel that recomputes each tile's shrink for
+every block of output columns it expands saves a launch but repeats the shrink's reads of x and A
+per block, and was 2-3x slower from 1 to 256 rows (H100, Qwen3-0.6B's four products, rank 16,
+benchmarks/lora_kernels.py: 89 against 32 us per layer at one row, 96 against 53 at 256).
 """
 import torch
 import triton
@@ -40,84 +43,48 @@ def _tile(tiles_ptr, rows_ptr, tile, BLOCK_M: tl.constexpr):
     return slot, pos, live, rows
 
 
-@triton.jit
-def _shrink(x_ptr, x_stride, norm_ptr, eps, a_ptr, rows, live, k_lo, k_hi, K, r, r_live, NORM: tl.constexpr,
-            GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-            PRECISION: tl.constexpr):
-    """a(x)[rows, k_lo:k_hi] @ a_ptr[r, k_lo:k_hi]^T -> [BLOCK_M, BLOCK_R] float32 (A's rows K apart)."""
-    x_rows = x_ptr + rows[:, None] * x_stride
-    inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
-    if NORM:  # the mean of x^2 over all of K, whatever slice of K this program multiplies
-        sq = tl.zeros([BLOCK_M], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            cols = k + tl.arange(0, BLOCK_K)
-            v = tl.load(x_rows + cols[None, :], mask=live[:, None] & (cols[None, :] < K), other=0.0).to(tl.float32)
-            sq += tl.sum(v * v, 1)
-        inv_rms = tl.rsqrt(sq / K + eps)
-    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    for k in range(k_lo, k_hi, BLOCK_K):
-        cols = k + tl.arange(0, BLOCK_K)
-        mask = live[:, None] & (cols[None, :] < k_hi)
-        v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0)
-        if GATED:
-            up = tl.load(x_rows + K + cols[None, :], mask=mask, other=0.0)
-            gate = v.to(tl.float32)
-            v = ((gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32) * up.to(tl.float32)).to(up.dtype)
-        if NORM:
-            w = tl.load(norm_ptr + cols, mask=cols < k_hi, other=0.0).to(tl.float32)
-            v = ((v.to(tl.float32) * inv_rms[:, None]).to(v.dtype).to(tl.float32) * w[None, :]).to(v.dtype)
-        a = tl.load(a_ptr + r[:, None] * K + cols[None, :], mask=r_live[:, None] & (cols[None, :] < k_hi), other=0.0)
-        acc = tl.dot(v, tl.trans(a), acc, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
-def _expand(s, b_ptr, y_ptr, y_stride, rows, live, cols, col_live, R, r, r_live, PRECISION: tl.constexpr):
-    """y[rows, cols] += s [BLOCK_M, BLOCK_R] (rounded to B's dtype) @ b_ptr[cols, r]^T (B's rows R apart)."""
-    b = tl.load(b_ptr + cols[None, :] * R + r[:, None], mask=r_live[:, None] & col_live[None, :], other=0.0)
-    delta = tl.dot(s.to(b.dtype), b, input_precision=PRECISION)
-    ptrs = y_ptr + rows[:, None] * y_stride + cols[None, :]
-    mask = live[:, None] & col_live[None, :]
-    y = tl.load(ptrs, mask=mask, other=0.0)
-    tl.store(ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
-
-
-@triton.jit
-def _slice(sl, block, N, S1, S2, BLOCK_N: tl.constexpr):
-    """The first output column of slice sl's block `block` and the slice's end: slices [0, S1),
-    [S1, S2), [S2, N)."""
-    lo = tl.where(sl == 0, 0, tl.where(sl == 1, S1, S2))
-    return lo + block * BLOCK_N, tl.where(sl == 0, S1, tl.where(sl == 1, S2, N))
-
-
-@triton.jit
-def _expand_tile(tiles_ptr, rows_ptr, tile, sl, block, N, S1, S2, R, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_R: tl.constexpr):
-    """An expanding program's work: _tile's (slot, pos, live, rows), _slice's (first, hi), its
-    BLOCK_N output columns and the rank offsets [BLOCK_R] with which of them are < R."""
-    slot, pos, live, rows = _tile(tiles_ptr, rows_ptr, tile, BLOCK_M)
-    first, hi = _slice(sl, block, N, S1, S2, BLOCK_N)
-    r = tl.arange(0, BLOCK_R)
-    return slot, pos, live, rows, first, hi, first + tl.arange(0, BLOCK_N), r, r < R
-
-
 # the adapter rows and the split of K change from step to step: kept out of Triton's specialisation
 @triton.jit(do_not_specialize=["num_pos", "split_k"])
 def lora_shrink_kernel(x_ptr, x_stride, norm_ptr, eps, a_ptr, rows_ptr, tiles_ptr, s_ptr, num_pos, K, SR, split_k,
                        NORM: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Grid (num_tiles, split_k): program (t, k) writes s[k, pos, :SR] (s: [split_k, num_pos, SR]
-    float32) for tile t's positions: the k-th of split_k slices of K (whole BLOCK_K steps) of
-    a(x) A_slot^T, all of the slot's SR = S * R rows of A at once."""
+    float32) for tile t's positions: the k-th of split_k slices of K (whole BLOCK_K steps, none
+    empty) of a(x) A_slot^T, all of the slot's SR = S * R rows of A (K apart) at once."""
     tile, split = tl.program_id(0), tl.program_id(1)
     pdl_start(PDL)
     slot, pos, live, rows = _tile(tiles_ptr, rows_ptr, tile, BLOCK_M)
     if slot >= 0:
         k_len = tl.cdiv(tl.cdiv(K, split_k), BLOCK_K) * BLOCK_K
         k_lo = split * k_len
+        k_hi = tl.minimum(K, k_lo + k_len)
         r = tl.arange(0, BLOCK_R)
-        acc = _shrink(x_ptr, x_stride, norm_ptr, eps, a_ptr + slot.to(tl.int64) * SR * K, rows, live, k_lo,
-                      tl.minimum(K, k_lo + k_len), K, r, r < SR, NORM, GATED, BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
+        a_rows = a_ptr + slot.to(tl.int64) * SR * K + r[:, None] * K
+        x_rows = x_ptr + rows[:, None] * x_stride
+        inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
+        if NORM:  # the mean of x^2 over all of K, whatever slice of K this program multiplies
+            sq = tl.zeros([BLOCK_M], tl.float32)
+            # pipelined as the product's loop is (Triton pipelines only loops with a dot unless
+            # asked): a decode step's program otherwise waits out every BLOCK_K load of x in turn
+            for k in tl.range(0, K, BLOCK_K, num_stages=3):
+                cols = k + tl.arange(0, BLOCK_K)
+                v = tl.load(x_rows + cols[None, :], mask=live[:, None] & (cols[None, :] < K), other=0.0).to(tl.float32)
+                sq += tl.sum(v * v, 1)
+            inv_rms = tl.rsqrt(sq / K + eps)
+        acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+        for k in range(k_lo, k_hi, BLOCK_K):
+            cols = k + tl.arange(0, BLOCK_K)
+            mask = live[:, None] & (cols[None, :] < k_hi)
+            v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0)
+            if GATED:
+                up = tl.load(x_rows + K + cols[None, :], mask=mask, other=0.0)
+                gate = v.to(tl.float32)
+                v = ((gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+            if NORM:
+                w = tl.load(norm_ptr + cols, mask=cols < k_hi, other=0.0).to(tl.float32)
+                v = ((v.to(tl.float32) * inv_rms[:, None]).to(v.dtype).to(tl.float32) * w[None, :]).to(v.dtype)
+            a = tl.load(a_rows + cols[None, :], mask=(r[:, None] < SR) & (cols[None, :] < k_hi), other=0.0)
+            acc = tl.dot(v, tl.trans(a), acc, input_precision=PRECISION)
         tl.store(s_ptr + (split * num_pos + pos[:, None]) * SR + r[None, :], acc,
                  mask=live[:, None] & (r[None, :] < SR))
 
@@ -127,56 +94,48 @@ def lora_expand_kernel(s_ptr, b_ptr, y_ptr, y_stride, rows_ptr, tiles_ptr, num_p
                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                        PDL: tl.constexpr):
     """Grid (num_tiles, cdiv(widest slice, BLOCK_N), num_slices): program (t, j, sl) adds to tile
-    t's rows of y their s (summed over the split_k partials) of slice sl times B's rows of that
-    slice's j-th block of BLOCK_N output columns."""
+    t's rows of y their s (summed over the split_k partials, rounded to B's dtype) of slice sl
+    times B's rows (R apart) of that slice's j-th block of BLOCK_N output columns; slices [0, S1),
+    [S1, S2), [S2, N)."""
     tile, block, sl = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pdl_start(PDL)
-    slot, pos, live, rows, first, hi, cols, r, r_live = _expand_tile(tiles_ptr, rows_ptr, tile, sl, block, N, S1, S2,
-                                                                     R, BLOCK_M, BLOCK_N, BLOCK_R)
+    slot, pos, live, rows = _tile(tiles_ptr, rows_ptr, tile, BLOCK_M)
+    first = tl.where(sl == 0, 0, tl.where(sl == 1, S1, S2)) + block * BLOCK_N
+    hi = tl.where(sl == 0, S1, tl.where(sl == 1, S2, N))
     if (slot >= 0) & (first < hi):
+        r = tl.arange(0, BLOCK_R)
+        r_live = r < R
         s_ptrs = s_ptr + pos[:, None] * SR + sl * R + r[None, :]
         s_mask = live[:, None] & r_live[None, :]
         s = tl.load(s_ptrs, mask=s_mask, other=0.0)
         for k in range(1, split_k):
             s += tl.load(s_ptrs + k * num_pos * SR, mask=s_mask, other=0.0)
-        _expand(s, b_ptr + slot.to(tl.int64) * N * R, y_ptr, y_stride, rows, live, cols, cols < hi, R, r, r_live,
-                PRECISION)
+        cols = first + tl.arange(0, BLOCK_N)
+        col_live = cols < hi
+        b = tl.load(b_ptr + slot.to(tl.int64) * N * R + cols[None, :] * R + r[:, None],
+                    mask=r_live[:, None] & col_live[None, :], other=0.0)
+        delta = tl.dot(s.to(b.dtype), b, input_precision=PRECISION)
+        ptrs = y_ptr + rows[:, None] * y_stride + cols[None, :]
+        mask = live[:, None] & col_live[None, :]
+        y = tl.load(ptrs, mask=mask, other=0.0)
+        tl.store(ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
 
 
-@triton.jit
-def lora_fused_kernel(x_ptr, x_stride, norm_ptr, eps, a_ptr, b_ptr, y_ptr, y_stride, rows_ptr, tiles_ptr, K, N, S1,
-                      S2, R, SR, NORM: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                      PDL: tl.constexpr):
-    """Grid (num_tiles, cdiv(widest slice, BLOCK_N), num_slices): lora_expand_kernel's program
-    (t, j, sl), computing first the shrink it needs, a(x) times slice sl's R rows of A, over all of K."""
-    tile, block, sl = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    pdl_start(PDL)
-    slot, pos, live, rows, first, hi, cols, r, r_live = _expand_tile(tiles_ptr, rows_ptr, tile, sl, block, N, S1, S2,
-                                                                     R, BLOCK_M, BLOCK_N, BLOCK_R)
-    if (slot >= 0) & (first < hi):
-        s = _shrink(x_ptr, x_stride, norm_ptr, eps, a_ptr + (slot.to(tl.int64) * SR + sl * R) * K, rows, live, 0, K, K,
-                    r, r_live, NORM, GATED, BLOCK_M, BLOCK_R, BLOCK_K, PRECISION)
-        _expand(s, b_ptr + slot.to(tl.int64) * N * R, y_ptr, y_stride, rows, live, cols, cols < hi, R, r, r_live,
-                PRECISION)
-
-
-EXPAND_BLOCK_N, FUSED_BLOCK_N = 64, 128  # the fused kernel's wider blocks: fewer repeated shrinks
+EXPAND_BLOCK_N = 64
 MAX_SPLIT_K = 8
-
-
-def _common(x: torch.Tensor, lora_a: torch.Tensor, norm, gated: bool):
-    """(K, norm weight, eps, BLOCK_K, PRECISION, launch args) of a product over x."""
-    assert x.stride(-1) == 1 and x.dtype == lora_a.dtype
-    k = lora_a.size(2)
-    assert x.size(1) == (2 * k if gated else k) and not (gated and norm)
-    norm_weight, eps = norm if norm is not None else (lora_a, 0.0)
-    fp32 = x.dtype == torch.float32  # float32 products on the CUDA cores, not in TF32
-    return k, norm_weight, eps, 64 if fp32 else 128, "ieee" if fp32 else "tf32", pdl_args(x.device)
 
 
 def _rank_block(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
+
+
+def split_k_for(k: int, block_k: int, num_tiles: int) -> int:
+    """How many programs share each tile's K: until ~64 programs run (a decode step's few tiles
+    alone would leave most SMs idle), at most MAX_SPLIT_K, each whole BLOCK_K steps and none
+    without any (5 asked of 8 steps: 4 splits of 2, not a fifth that sums nothing)."""
+    steps = triton.cdiv(k, block_k)
+    asked = max(1, min(MAX_SPLIT_K, steps, 64 // max(num_tiles, 1)))
+    return triton.cdiv(steps, triton.cdiv(steps, asked))
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, rows: torch.Tensor, tiles: torch.Tensor, block_m: int,
@@ -185,16 +144,19 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, rows: torch.Tensor, tiles
     split_k partial sums over K to be added (lora_expand adds them). x: [T, K] ([T, 2K] when gated)
     in lora_a's dtype; lora_a [max_loras, S * R, K]; rows, tiles, block_m (tiles' most positions):
     the step's mapping (module docstring); norm: (weight [K], eps) of the RMSNorm before the product."""
-    k, norm_weight, eps, block_k, precision, launch = _common(x, lora_a, norm, gated)
-    sr, num_tiles = lora_a.size(1), tiles.size(0)
-    # K split until ~64 programs run: a decode step's few tiles alone would leave most SMs idle
-    split_k = max(1, min(MAX_SPLIT_K, triton.cdiv(k, block_k), 64 // max(num_tiles, 1)))
+    assert x.stride(-1) == 1 and x.dtype == lora_a.dtype
+    k, sr, num_tiles = lora_a.size(2), lora_a.size(1), tiles.size(0)
+    assert x.size(1) == (2 * k if gated else k) and not (gated and norm)
+    norm_weight, eps = norm if norm is not None else (lora_a, 0.0)
+    fp32 = x.dtype == torch.float32  # float32 products on the CUDA cores, not in TF32
+    block_k = 64 if fp32 else 128
+    split_k = split_k_for(k, block_k, num_tiles)
     s = torch.empty(split_k, rows.numel(), sr, dtype=torch.float32, device=x.device)
     if num_tiles:
         lora_shrink_kernel[(num_tiles, split_k)](
             x, x.stride(0), norm_weight, eps, lora_a, rows, tiles, s, rows.numel(), k, sr, split_k,
             NORM=norm is not None, GATED=gated, BLOCK_M=block_m, BLOCK_R=_rank_block(sr), BLOCK_K=block_k,
-            PRECISION=precision, num_warps=4, **launch)
+            PRECISION="ieee" if fp32 else "tf32", num_warps=4, **pdl_args(x.device))
     return s
 
 
@@ -213,21 +175,4 @@ def lora_expand(y: torch.Tensor, s: torch.Tensor, lora_b: torch.Tensor, rows: to
             s, lora_b, y, y.stride(0), rows, tiles, rows.numel(), n, s1, s2, rank, s.size(2), s.size(0),
             BLOCK_M=block_m, BLOCK_R=_rank_block(rank), BLOCK_N=EXPAND_BLOCK_N, PRECISION="ieee" if fp32 else "tf32",
             num_warps=4, **pdl_args(y.device))
-    return y
-
-
-def lora_fused(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, rows: torch.Tensor,
-               tiles: torch.Tensor, block_m: int, bounds: tuple[int, ...],
-               norm: tuple[torch.Tensor, float] | None = None, gated: bool = False) -> torch.Tensor:
-    """lora_expand(y, lora_shrink(x, ...), ...) in one kernel (the arguments as theirs); returns y."""
-    k, norm_weight, eps, block_k, precision, launch = _common(x, lora_a, norm, gated)
-    n, rank, slices = lora_b.size(1), lora_b.size(2), len(bounds) - 1
-    assert y.stride(-1) == 1 and y.size(1) == n == bounds[-1] and 1 <= slices <= 3
-    s1, s2 = (list(bounds[1:-1]) + [n, n])[:2]
-    widest = max(b - a for a, b in zip(bounds, bounds[1:]))
-    if tiles.size(0):
-        lora_fused_kernel[(tiles.size(0), triton.cdiv(widest, FUSED_BLOCK_N), slices)](
-            x, x.stride(0), norm_weight, eps, lora_a, lora_b, y, y.stride(0), rows, tiles, k, n, s1, s2, rank,
-            lora_a.size(1), NORM=norm is not None, GATED=gated, BLOCK_M=block_m, BLOCK_R=_rank_block(rank),
-            BLOCK_K=block_k, BLOCK_N=FUSED_BLOCK_N, PRECISION=precision, num_warps=4, **launch)
     return y

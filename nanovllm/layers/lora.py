@@ -27,7 +27,6 @@ from nanovllm.layers.linear_method import LinearMethod
 GRAPH_BLOCK_M = 16  # tile rows of decode steps (and every CUDA graph): tensor cores' narrowest
 PREFILL_BLOCK_M = 64  # of steps with more rows than PREFILL_MIN_ROWS
 PREFILL_MIN_ROWS = 128
-FUSED_MAX_ROWS = 16  # steps of at most this many adapter rows take the one-kernel lora_fused
 # kinds of layers whose delta small CUDA graphs may leave out: adapters of attention only (PEFT's
 # default targets q_proj and v_proj) then add one kernel per layer, not four
 SMALL_GRAPH_KINDS = (frozenset({"qkv_proj"}), frozenset({"qkv_proj", "o_proj"}))
@@ -95,7 +94,7 @@ class LoRAContext:
     """The step's mapping from rows to adapter slots, which every LoRALinearMethod reads: tiles
     [num_tiles, 3] int32 (slot, start, end) and rows [n] int32 on the device (kernels/lora.py
     says what they are), groups (host, [g, 3]: one (slot, start, end) per slot, the torch path's),
-    block_m, kinds (the layers the step's adapters change) and fused (one kernel per product).
+    block_m and kinds (the layers the step's adapters change).
     tiles is None when no row carries an adapter. use_triton: the Triton kernels (CUDA, or
     Triton's interpreter), else the torch path. all_kinds: every LoRA layer's kind."""
 
@@ -109,7 +108,7 @@ class LoRAContext:
     def clear(self):
         """No adapter rows (the next forward runs the base products alone)."""
         self.tiles = self.rows = self.groups = self._index = None
-        self.kinds, self.block_m, self.fused = frozenset(), GRAPH_BLOCK_M, False
+        self.kinds, self.block_m = frozenset(), GRAPH_BLOCK_M
 
     def set_step(self, index: torch.Tensor, num_tiles: int, block_m: int, groups: np.ndarray, kinds: frozenset):
         """The mapping of an eager step (or of a graph's, to be copied by write_graph_inputs): index
@@ -117,7 +116,6 @@ class LoRAContext:
         self._index = index
         self.tiles, self.rows = index[:3 * num_tiles].view(num_tiles, 3), index[3 * num_tiles:]
         self.groups, self.kinds, self.block_m = groups, kinds, block_m
-        self.fused = self.rows.numel() <= FUSED_MAX_ROWS
 
     # ---- CUDA graphs ------------------------------------------------------------------------
 
@@ -140,7 +138,6 @@ class LoRAContext:
             tiles = self.graph_index[:3 * self.graph_tiles].view(-1, 3)[:tile_slots(num_tokens, self.max_loras)]
             rows = self.graph_index[3 * self.graph_tiles:3 * self.graph_tiles + num_tokens]
             self.tiles, self.rows, self.kinds = tiles, rows, kinds
-            self.fused = num_tokens <= FUSED_MAX_ROWS
 
     def write_graph_inputs(self, num_tokens: int) -> frozenset | None:
         """Copy this step's mapping into the static buffers (the planner padded its tiles to
@@ -179,13 +176,11 @@ class LoRALinearMethod(LinearMethod):
 def add_lora(context: LoRAContext, layer: nn.Module, y: torch.Tensor, x: torch.Tensor,
              norm: tuple[torch.Tensor, float] | None = None, gated: bool = False):
     """y[rows] += delta of the layer's adapters for the step's mapping, in place (kernels/lora.py's
-    arguments)."""
+    arguments): lora_shrink then lora_expand at every step size (kernels/lora.py says why two)."""
     c = context
     if not c.use_triton:
         return lora_reference(y, x, layer.lora_a, layer.lora_b, c.rows, c.groups, layer.lora_bounds, norm, gated)
-    from nanovllm.kernels.lora import lora_expand, lora_fused, lora_shrink  # Triton: imported only when used
-    if c.fused:
-        return lora_fused(y, x, layer.lora_a, layer.lora_b, c.rows, c.tiles, c.block_m, layer.lora_bounds, norm, gated)
+    from nanovllm.kernels.lora import lora_expand, lora_shrink  # Triton: imported only when used
     s = lora_shrink(x, layer.lora_a, c.rows, c.tiles, c.block_m, norm, gated)
     return lora_expand(y, s, layer.lora_b, c.rows, c.tiles, c.block_m, layer.lora_bounds)
 
