@@ -7,6 +7,7 @@ with their seed; n > 1, preemption, max_tokens, stop strings and the grammar's e
 speculative drafts for a constrained sequence; bad input; the scheduler's rule for compiling
 grammars, beside LoRA's; tensor and data parallelism. On CUDA (skipped
 here): the kernel at Qwen3's size, and the engine with CUDA graphs and truly overlapped steps."""
+import gc
 import importlib.util
 import json
 import re
@@ -462,6 +463,9 @@ def test_structured_outputs_on_the_gpu(tiny, enforce_eager):
             assert (out.outputs[0].token_ids, True) == reference(hf, backend, tokenizer, prompt, c, 60)
     for c in outs[-1].outputs:
         jsonschema.validate(json.loads(c.text), PERSON)
+    del llm  # its share of the GPU's memory goes to the next engine
+    gc.collect()
+    torch.cuda.empty_cache()
     from nanovllm.loader.source import BUILTIN_CONFIGS
     folder = shutil.copytree(path, path + "-qwen3-0.6b", dirs_exist_ok=True)
     shutil.copy(BUILTIN_CONFIGS["qwen3-0.6b"], f"{folder}/config.json")
@@ -472,6 +476,9 @@ def test_structured_outputs_on_the_gpu(tiny, enforce_eager):
         ids = out.outputs[0].token_ids
         assert max(ids) < TOKENIZER_SIZE or (max(ids[:-1]) < TOKENIZER_SIZE and ids[-1] in big.config.eos_token_ids)
         jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
+    del big
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(data_parallel_size=2)])
