@@ -468,7 +468,10 @@ def test_structured_outputs_on_the_gpu(tiny, enforce_eager):
     torch.cuda.empty_cache()
     from nanovllm.loader.source import BUILTIN_CONFIGS
     folder = shutil.copytree(path, path + "-qwen3-0.6b", dirs_exist_ok=True)
-    shutil.copy(BUILTIN_CONFIGS["qwen3-0.6b"], f"{folder}/config.json")
+    with open(BUILTIN_CONFIGS["qwen3-0.6b"]) as f:
+        config = json.load(f)
+    with open(f"{folder}/config.json", "w") as f:  # the stop token of this tokenizer, as a real model's is of its own
+        json.dump(config | {"eos_token_id": EOS, "bos_token_id": EOS}, f)
     big = LLM(folder, load_format="dummy", enforce_eager=enforce_eager, max_model_len=256, gpu_memory_utilization=0.25)
     outs = big.generate(prompts * 8, SamplingParams(temperature=0.6, max_tokens=80, structured_outputs=json_params()),
                         use_tqdm=False)
