@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from nanovllm.engine_args import DTYPES, KV_CACHE_DTYPES, EngineArgs
+from nanovllm.engine_args import DTYPES, KV_CACHE_DTYPES, EngineArgs, SpeculativeConfig
 from nanovllm.loader.source import load_tokenizer, read_generation_defaults, read_hf_config, resolve_path
 
 logger = logging.getLogger(__name__)
@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Config(EngineArgs):
     """EngineArgs resolved: model a local path, dtype and kv_cache_dtype torch.dtypes, device a
-    torch.device, load_format, quantization, attention_backend and max_model_len concrete; and
+    torch.device, load_format, quantization, attention_backend and max_model_len concrete,
+    speculative_config a SpeculativeConfig or None; and
     what the model's files give: hf_config, tokenizer, eos_token_ids, generation_defaults (the
     default SamplingParams' fields). Made by create(); the engine reads it and changes copies of
     it only (dataclasses.replace)."""
@@ -52,7 +53,8 @@ class Config(EngineArgs):
                         kv_cache_dtype=_resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device, backend),
                         quantization=_resolve_quantization(args.quantization, hf_config, device),
                         attention_backend=backend, max_model_len=_resolve_max_model_len(args.max_model_len, hf_config),
-                        max_cpu_loras=args.max_cpu_loras or args.max_loras)
+                        max_cpu_loras=args.max_cpu_loras or args.max_loras,
+                        speculative_config=args.speculative_config and SpeculativeConfig.from_dict(args.speculative_config))
         return cls(**{f.name: getattr(args, f.name) for f in fields(EngineArgs)} | resolved, hf_config=hf_config,
                    tokenizer=tok, eos_token_ids=_eos_token_ids(hf_config, tok),
                    max_model_len_is_default=args.max_model_len is None,
