@@ -8,7 +8,7 @@ from nanovllm.sequence import Sequence
 class ReplayProposer(Proposer):
     """speculative_config {"method": "replay", "acceptance_rate": a, "num_speculative_tokens": k}:
     replays the completion that this engine gave the same prompt in an earlier greedy run (recorded
-    when that sequence finished), each draft token kept with probability a and otherwise replaced
+    when that sequence finished: the longest), each draft token kept with probability a and otherwise replaced
     by another token. Under greedy decoding a draft is then accepted with probability a while the
     run follows its record (a[i] = E[tokens accepted at position i] = a^(i+1)): SYNTHETIC acceptance,
     to time verify steps at a controlled acceptance (bench.py) with any weights. A sequence whose
@@ -34,5 +34,9 @@ class ReplayProposer(Proposer):
         return drafts
 
     def finished(self, seq: Sequence) -> None:
-        if seq.sampling_params.temperature == 0 and seq.finish_reason != "abort":
-            self.records[tuple(seq.prompt_token_ids)] = seq.completion_token_ids
+        """Record a finished greedy completion, unless a longer one of its prompt is recorded (greedy
+        runs of one prompt that stop at different places are prefixes of one another)."""
+        prompt = tuple(seq.prompt_token_ids)
+        if (seq.sampling_params.temperature == 0 and seq.finish_reason != "abort"
+                and seq.num_completion_tokens > len(self.records.get(prompt, ()))):
+            self.records[prompt] = seq.completion_token_ids
