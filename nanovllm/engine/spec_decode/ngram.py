@@ -9,36 +9,33 @@ def ngram_drafts(histories: list[np.ndarray], min_n: int, max_n: int, k: int) ->
     """For each token history (int64 [L_i], every token known), the up to k tokens that followed
     the earliest occurrence of its longest suffix n-gram, min_n <= n <= max_n, found earlier in it
     (the occurrence may overlap the suffix, but must end before the last token); [] where none is
-    found. The whole batch is one flat array and each step is a numpy pass over it: the match
-    length at every candidate end e (how many tokens before e, counting e, equal the history's last
-    ones) grows by one comparison per n, up to max_n, so the work is O(max_n * sum L_i)."""
+    found (vLLM's rule). The batch is one flat array: the candidate ends whose token equals their
+    history's last one are found in one pass over it, and each further n keeps those whose token n
+    back also equals the history's; so the work is one pass plus the (few) surviving candidates."""
     if not histories:
         return []
     lens = np.fromiter(map(len, histories), np.int64, len(histories))
     tokens = np.concatenate(histories)
     starts = np.zeros_like(lens)
     np.cumsum(lens[:-1], out=starts[1:])
+    lasts = starts + lens - 1
     seq_of = np.repeat(np.arange(len(lens)), lens)
-    local = np.arange(tokens.size) - starts[seq_of]  # each candidate end's index in its history
-    last = (starts + lens - 1)[seq_of]  # each position's history's last token
-    match_len = np.zeros(tokens.size, np.int64)
-    still = local < lens[seq_of] - 1  # a match must end before the last token, which it is compared to
+    cand = np.flatnonzero(tokens == tokens[lasts][seq_of])  # match length >= 1, ascending
+    cand = cand[cand != lasts[seq_of[cand]]]  # a match ends before the last token
+    levels = []  # levels[j]: the candidate ends whose match is at least j + 1 long
     for j in range(max_n):
-        still &= local >= j
-        if not still.any():
+        if j:
+            cand = cand[cand - j >= starts[seq_of[cand]]]
+            cand = cand[tokens[cand - j] == tokens[lasts[seq_of[cand]] - j]]
+        if not cand.size:
             break
-        idx = np.flatnonzero(still)
-        still[idx] = tokens[idx - j] == tokens[last[idx] - j]
-        match_len += still
-    # per history, the longest match, and of those the earliest: the largest key
-    big = int(lens.max()) + 1
-    key = match_len * big + (big - 1 - local)
-    best = np.maximum.reduceat(key, starts)
-    best_len, best_end = best // big, big - 1 - best % big
-    drafts = []
-    for history, n, end in zip(histories, best_len.tolist(), best_end.tolist()):
-        drafts.append(history[end + 1:end + 1 + k].tolist() if n >= min_n else [])
-    return drafts
+        levels.append(cand)
+    best = np.full(len(lens), -1, np.int64)  # each history's match end; -1: none
+    for ends in reversed(levels[min_n - 1:]):  # longest first; the first of a history's ends is its earliest
+        owners, first = np.unique(seq_of[ends], return_index=True)
+        free = best[owners] < 0
+        best[owners[free]] = ends[first[free]] - starts[owners[free]]
+    return [h[e + 1:e + 1 + k].tolist() if e >= 0 else [] for h, e in zip(histories, best.tolist())]
 
 
 class NgramProposer(Proposer):
