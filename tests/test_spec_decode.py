@@ -79,6 +79,24 @@ def test_greedy_outputs_with_speculation_equal_plain_outputs(tiny_model, engine_
         assert spec.engine.block_manager.num_free_blocks == spec.engine.model_runner.num_kvcache_blocks
 
 
+def test_uniform_verify_steps_pad_every_decode_to_k_drafts(tiny_qwen3):
+    """With CUDA graphs (uniform, forced here) every decoding row of a speculative step verifies
+    exactly k drafts, save near max_tokens; the tokens stay the plain engine's."""
+    path, _ = tiny_qwen3
+    prompts, k, max_tokens = repetitive_prompts() + random_prompts([7, 23], seed=3), NGRAM["num_speculative_tokens"], 40
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    spec = LLM(path, **ARGS, speculative_config=NGRAM)
+    spec.engine.speculator.uniform = True
+    steps, run = [], spec.engine.model_runner.run
+    spec.engine.model_runner.run = lambda scheduled, forks, copies, drafts: (
+        steps.append([(n, s.num_computed_tokens - s.num_prompt_tokens) for s, n in scheduled] if drafts else None)
+        or run(scheduled, forks, copies, drafts))
+    assert outputs(spec, prompts, params) == outputs(LLM(path, **ARGS), prompts, params)
+    verify_steps = [step for step in steps if step]
+    assert len(verify_steps) > 10
+    assert all(n == 1 + k or done > max_tokens - 2 * k - 2 for step in verify_steps for n, done in step)
+
+
 def test_stops_max_tokens_and_logprobs_inside_accepted_runs(tiny_qwen3):
     """Replayed runs (acceptance 1: every draft right) put each stop and each max_tokens inside a
     run; the outputs end exactly where the plain run's do, with the same logprobs."""

@@ -49,7 +49,7 @@ class EngineCore(EngineBase):
         self.num_prefill_tokens = self.num_decode_tokens = 0  # of the last step
         spec = config.speculative_config
         self.spec_metrics = SpecDecodeMetrics(spec.num_speculative_tokens if spec else 0)  # every verify run's
-        self.speculator = Speculator(config, self.spec_metrics) if spec else None
+        self.speculator = Speculator(config, self.spec_metrics, uniform=runner.graph_runner is not None) if spec else None
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> None:

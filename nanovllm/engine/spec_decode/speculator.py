@@ -19,10 +19,17 @@ class Speculator:
     step verifies what it proposes. The price is the host's scheduling time, no longer hidden behind
     the GPU; it is paid only while speculating: at most disable_by_batch_size unfinished requests,
     where a verify step's several tokens per weight read pay for it. Larger batches run the plain
-    overlapped loop, without proposals."""
+    overlapped loop, without proposals.
 
-    def __init__(self, config, metrics: SpecDecodeMetrics):
-        self.spec = config.speculative_config
+    uniform (the model runner has CUDA graphs, captured per (batch size, q_len)): in a step where
+    some sequence has drafts, every decoding sequence that can verify gets exactly k, so that a
+    step of decodes is uniform (q_len 1 + k) and replays a graph rather than running eagerly: a
+    short proposal repeats itself (an n-gram's continuation that reaches the end of the sequence
+    is a period of it), an empty one is the last token k times. At the batch sizes that speculate
+    the extra rows cost little: a decode step's time is the weights' read."""
+
+    def __init__(self, config, metrics: SpecDecodeMetrics, uniform: bool = False):
+        self.spec, self.uniform = config.speculative_config, uniform
         self.proposer = make_proposer(config)
         self.metrics = metrics
 
@@ -41,6 +48,9 @@ class Speculator:
         start = time.perf_counter()
         drafts = self.proposer.propose(seqs)
         self.metrics.proposal_seconds += time.perf_counter() - start
+        if self.uniform and any(drafts):
+            k = self.spec.num_speculative_tokens
+            drafts = [(draft * k)[:k] if draft else [seq.token_ids[-1]] * k for seq, draft in zip(seqs, drafts)]
         for seq, draft in zip(seqs, drafts):
             if draft:
                 engine.add_draft_tokens(seq, draft)
