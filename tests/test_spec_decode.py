@@ -230,3 +230,25 @@ def test_bad_speculative_config_fails_up_front(tiny_qwen3, spec, error):
 def test_what_does_not_combine_yet_fails_up_front(tiny_qwen3, args, error):
     with pytest.raises(ValueError, match=error):
         LLM(tiny_qwen3[0], **ARGS, **args, speculative_config=NGRAM)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_verify_steps_replay_cuda_graphs_and_keep_greedy_tokens(tiny_qwen3, monkeypatch):
+    """On the GPU the graphs of q_len 1 + k are captured (up to disable_by_batch_size sequences) and
+    replayed by speculative steps, n-gram and replayed drafts alike, with the plain engine's tokens."""
+    path, _ = tiny_qwen3
+    args = dict(device="cuda", dtype="float32", max_model_len=256, gpu_memory_utilization=0.3, kvcache_block_size=16)
+    prompts = repetitive_prompts() + random_prompts([9, 30], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = outputs(LLM(path, **args), prompts, params)
+    for config in (NGRAM, REPLAY | {"disable_by_batch_size": 8}):
+        spec = LLM(path, **args, speculative_config=config)
+        graph_runner, q_len = spec.engine.model_runner.graph_runner, 1 + config["num_speculative_tokens"]
+        most = config.get("disable_by_batch_size", 32)
+        assert max(b for b, q in graph_runner.graphs if q == q_len) == most
+        replayed, replay = [], graph_runner.replay
+        monkeypatch.setattr(graph_runner, "replay", lambda key, *a: replayed.append(key) or replay(key, *a))
+        for _ in range(1 if config is NGRAM else 2):  # replay: the first run records
+            assert outputs(spec, prompts, params) == expected
+        assert sum(q == q_len for _, q in replayed) > 10 and num_accepted(spec) > 0
+        assert spec.engine.block_manager.num_free_blocks == spec.engine.model_runner.num_kvcache_blocks
