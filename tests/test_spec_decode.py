@@ -150,6 +150,20 @@ def test_seeded_sampling_with_penalties_and_min_tokens_still_holds(tiny_qwen3):
     assert first == outputs(spec, prompts, params)[0]  # seeded: the same tokens again
 
 
+def test_no_speculation_while_more_requests_than_disable_by_batch_size(tiny_qwen3):
+    """5 requests with disable_by_batch_size 4: no proposals until one has finished, then runs follow."""
+    path, _ = tiny_qwen3
+    spec = LLM(path, **ARGS, speculative_config=REPLAY | {"disable_by_batch_size": 4})
+    prompts = random_prompts([5, 8, 11, 14, 17], seed=6)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 30, 30, 30, 30)]
+    outputs(spec, prompts, params)  # records
+    engine, proposals = spec.engine, []
+    propose = engine.speculator.proposer.propose
+    engine.speculator.proposer.propose = lambda seqs: proposals.append(len(engine.requests)) or propose(seqs)
+    assert outputs(spec, prompts, params) == outputs(LLM(path, **ARGS), prompts, params)
+    assert proposals and max(proposals) == 4 and num_accepted(spec) > 0
+
+
 def tiny_vocab_model(tmp_path, vocab):
     torch.manual_seed(5)
     config = Qwen3Config(**COMMON | TINY["qwen3"][2] | {"vocab_size": vocab, "initializer_range": 0.6})
