@@ -164,6 +164,24 @@ def test_no_speculation_while_more_requests_than_disable_by_batch_size(tiny_qwen
     assert proposals and max(proposals) == 4 and num_accepted(spec) > 0
 
 
+def test_steps_without_proposals_back_off_to_overlapped_steps(tiny_qwen3):
+    """A proposer that finds nothing is asked at steps 1, 3, 6, 11, 16, ... (skips of 1, 2, then
+    MAX_IDLE_SKIP overlapped steps); once it proposes, it is asked every step again."""
+    path, _ = tiny_qwen3
+    spec = LLM(path, **ARGS, speculative_config=NGRAM)
+    asked, steps = [], [0]
+    spec.engine.speculator.proposer.propose = lambda seqs: asked.append(steps[0]) or [[]] * len(seqs)
+    step = spec.engine.step
+    spec.engine.step = lambda: steps.__setitem__(0, steps[0] + 1) or step()
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    assert outputs(spec, random_prompts([9]), params) == outputs(LLM(path, **ARGS), random_prompts([9]), params)
+    assert asked == [2, 4, 7, 12, 17, 22, 27]  # step 1 prefills: nothing decodes yet
+    asked.clear()
+    spec.engine.speculator.proposer.propose = lambda seqs: asked.append(steps[0]) or [[1]] * len(seqs)
+    outputs(spec, random_prompts([9]), params)
+    assert len(asked) > 8 and asked == list(range(asked[0], asked[0] + len(asked)))
+
+
 def tiny_vocab_model(tmp_path, vocab):
     torch.manual_seed(5)
     config = Qwen3Config(**COMMON | TINY["qwen3"][2] | {"vocab_size": vocab, "initializer_range": 0.6})

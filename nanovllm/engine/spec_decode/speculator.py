@@ -6,6 +6,8 @@ from nanovllm.engine.spec_decode.metrics import SpecDecodeMetrics
 from nanovllm.engine.spec_decode.proposer import make_proposer
 from nanovllm.sequence import Sequence, SequenceStatus
 
+MAX_IDLE_SKIP = 4  # the most overlapped steps after speculative steps in which nothing was proposed
+
 
 class Speculator:
     """Proposes drafts for the decoding sequences before each speculative step.
@@ -19,7 +21,10 @@ class Speculator:
     step verifies what it proposes. The price is the host's scheduling time, no longer hidden behind
     the GPU; it is paid only while speculating: at most disable_by_batch_size unfinished requests,
     where a verify step's several tokens per weight read pay for it. Larger batches run the plain
-    overlapped loop, without proposals.
+    overlapped loop, without proposals. So do the steps after a speculative step in which nothing
+    was proposed (text that does not repeat itself, for n-gram): 1, then 2, then MAX_IDLE_SKIP
+    steps while that goes on, none once something is proposed again; a repetitive stretch is
+    then found a few tokens late, and free text costs the sync on a few steps in MAX_IDLE_SKIP + 1.
 
     uniform (the model runner has CUDA graphs, captured per (batch size, q_len)): in a step where
     some sequence has drafts, every decoding sequence that can verify gets exactly k, so that a
@@ -32,11 +37,18 @@ class Speculator:
         self.spec, self.uniform = config.speculative_config, uniform
         self.proposer = make_proposer(config)
         self.metrics = metrics
+        self._idle = self._skip = 0  # the current idle skip, and the steps of it left
 
     def active(self, scheduler: Scheduler) -> bool:
-        """Whether the next step speculates (disable_by_batch_size against the unfinished requests' sequences)."""
+        """Whether the next step speculates: disable_by_batch_size against the unfinished requests'
+        sequences, and no idle skip left."""
         limit = self.spec.disable_by_batch_size
-        return limit is None or len(scheduler.running) + len(scheduler.waiting) <= limit
+        if limit is not None and len(scheduler.running) + len(scheduler.waiting) > limit:
+            return False
+        if self._skip:
+            self._skip -= 1
+            return False
+        return True
 
     def propose(self, engine) -> None:
         """Give each decoding sequence that can verify drafts (EngineCore.add_draft_tokens says which)
@@ -48,7 +60,11 @@ class Speculator:
         start = time.perf_counter()
         drafts = self.proposer.propose(seqs)
         self.metrics.proposal_seconds += time.perf_counter() - start
-        if self.uniform and any(drafts):
+        if not any(drafts):
+            self._idle = self._skip = min(2 * self._idle or 1, MAX_IDLE_SKIP)
+            return
+        self._idle = 0
+        if self.uniform:
             k = self.spec.num_speculative_tokens
             drafts = [(draft * k)[:k] if draft else [seq.token_ids[-1]] * k for seq, draft in zip(seqs, drafts)]
         for seq, draft in zip(seqs, drafts):
