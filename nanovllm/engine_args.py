@@ -121,8 +121,9 @@ class EngineArgs:
     one step (their slots on the device); max_lora_rank: the largest adapter rank; max_cpu_loras:
     adapters kept on the host (default max_loras, at least as many).
     speculative_config: speculative decoding (vLLM's dict, SpeculativeConfig's keys), e.g.
-    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2};
-    None: off. Not with LoRA or data parallelism yet.
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    or {"model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 4}; None: off. Not with LoRA or data
+    parallelism yet, a draft model not with tensor parallelism.
     """
     model: str
     max_num_seqs: int = 256
@@ -212,5 +213,6 @@ class EngineArgs:
         if spec.num_speculative_tokens >= self.max_num_batched_tokens:
             raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} leaves no room in "
                              f"a step of max_num_batched_tokens={self.max_num_batched_tokens}")
-        if spec.method == "draft_model":
-            raise ValueError("speculative_config method \"draft_model\" is not implemented yet; use \"ngram\"")
+        if spec.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config method \"draft_model\" does not combine with tensor parallelism yet "
+                             "(tensor_parallel_size > 1); use \"ngram\" there")

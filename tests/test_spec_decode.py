@@ -182,8 +182,8 @@ def test_steps_without_proposals_back_off_to_overlapped_steps(tiny_qwen3):
     assert len(asked) > 8 and asked == list(range(asked[0], asked[0] + len(asked)))
 
 
-def tiny_vocab_model(tmp_path, vocab):
-    torch.manual_seed(5)
+def tiny_vocab_model(tmp_path, vocab, seed=5):
+    torch.manual_seed(seed)
     config = Qwen3Config(**COMMON | TINY["qwen3"][2] | {"vocab_size": vocab, "initializer_range": 0.6})
     model = Qwen3ForCausalLM(config).eval()
     model.save_pretrained(tmp_path)

@@ -12,7 +12,7 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.processor import Processor, Request
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.spec_decode import SpecDecodeMetrics, Speculator
+from nanovllm.engine.spec_decode import SpecDecodeMetrics, Speculator, make_proposer
 from nanovllm.sampling.warmup import warm_up_sampler
 from nanovllm.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from nanovllm.engine.stop_checker import check_stop
@@ -30,6 +30,8 @@ class EngineCore(EngineBase):
     handle on them, executor/tp_workers.py), which this process drives as rank 0."""
 
     def __init__(self, config: Config, workers=None):
+        spec = config.speculative_config
+        proposer = make_proposer(config) if spec else None  # a draft model's memory first: the KV cache gets the rest
         self.model_runner = runner = ModelRunner(config, workers=workers)
         if runner.device.type == "cuda":  # every sampling kernel compiled now, not inside a generate call
             warm_up_sampler(config.logprobs_mode, config.hf_config.vocab_size, runner.dtype, runner.device)
@@ -47,9 +49,9 @@ class EngineCore(EngineBase):
         self.requests: dict[str, Request] = {}  # the unfinished ones
         self._inflight: tuple[LaunchedStep, list[int]] | None = None  # launched step, each row's PLACEHOLDER index
         self.num_prefill_tokens = self.num_decode_tokens = 0  # of the last step
-        spec = config.speculative_config
         self.spec_metrics = SpecDecodeMetrics(spec.num_speculative_tokens if spec else 0)  # every verify run's
-        self.speculator = Speculator(config, self.spec_metrics, uniform=runner.graph_runner is not None) if spec else None
+        self.speculator = Speculator(config, proposer, self.spec_metrics, uniform=runner.graph_runner is not None) \
+            if spec else None
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> None:

@@ -25,4 +25,7 @@ def make_proposer(config) -> Proposer:
     if spec.method == "replay":
         from nanovllm.engine.spec_decode.replay import ReplayProposer
         return ReplayProposer(spec, config.hf_config.vocab_size, config.seed)
+    if spec.method == "draft_model":
+        from nanovllm.engine.spec_decode.draft_model import DraftModelProposer
+        return DraftModelProposer(config)
     raise ValueError(f"no proposer for speculative method {spec.method!r}")

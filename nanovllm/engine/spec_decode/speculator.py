@@ -3,7 +3,7 @@ import time
 
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.spec_decode.metrics import SpecDecodeMetrics
-from nanovllm.engine.spec_decode.proposer import make_proposer
+from nanovllm.engine.spec_decode.proposer import Proposer
 from nanovllm.sequence import Sequence, SequenceStatus
 
 MAX_IDLE_SKIP = 4  # the most overlapped steps after speculative steps in which nothing was proposed
@@ -33,9 +33,9 @@ class Speculator:
     is a period of it), an empty one is the last token k times. At the batch sizes that speculate
     the extra rows cost little: a decode step's time is the weights' read."""
 
-    def __init__(self, config, metrics: SpecDecodeMetrics, uniform: bool = False):
+    def __init__(self, config, proposer: Proposer, metrics: SpecDecodeMetrics, uniform: bool = False):
         self.spec, self.uniform = config.speculative_config, uniform
-        self.proposer = make_proposer(config)
+        self.proposer = proposer
         self.metrics = metrics
         self._idle = self._skip = 0  # the current idle skip, and the steps of it left
 
