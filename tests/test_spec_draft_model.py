@@ -40,6 +40,19 @@ def test_greedy_outputs_with_a_draft_model_equal_plain_outputs(tiny_qwen3, tmp_p
         assert spec.engine.block_manager.num_free_blocks == spec.engine.model_runner.num_kvcache_blocks
 
 
+def test_sequences_that_do_not_fit_the_draft_pool_go_without_drafts(tiny_qwen3, monkeypatch):
+    from nanovllm.engine.spec_decode import draft_model
+    monkeypatch.setattr(draft_model, "DRAFT_POOL_TOKENS", 1)  # the pool holds one max_model_len sequence
+    path, _ = tiny_qwen3
+    prompts, params = repetitive_prompts(), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    args = ARGS | {"max_model_len": 128}
+    spec = LLM(path, **args, speculative_config={"model": path, "num_speculative_tokens": 3})
+    assert spec.engine.speculator.proposer.runner.num_kvcache_blocks == 8
+    assert outputs(spec, prompts, params) == outputs(LLM(path, **args), prompts, params)
+    m = spec.engine.spec_metrics
+    assert 0 < m.num_drafts < 30 * len(prompts) / 4 and m.num_accepted_tokens == m.num_draft_tokens
+
+
 def test_sampled_tokens_with_a_draft_model_keep_the_target_distribution(tmp_path):
     """As test_spec_decode's chi-square test, with a draft model of other weights proposing its argmax."""
     vocab, depth, num = 4, 3, 3000

@@ -10,20 +10,22 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import PLACEHOLDER, Sequence
 
 GREEDY = SamplingParams(temperature=0.0)
+DRAFT_POOL_TOKENS = 32768  # the most tokens of the draft's KV pool (3.8 GB for Qwen3-0.6B in bf16)
 
 
 def draft_config(config: Config) -> Config:
     """The draft model's engine configuration: the target's dtype, device, attention backend, block
-    size and step budget, one rank, and a KV pool of its own for the sequences that speculate
-    (min(max_num_seqs, disable_by_batch_size) of max_model_len). ValueError when its vocabulary
-    is not the target's."""
-    spec = config.speculative_config
+    size and step budget, one rank, and a KV pool of its own for the sequences that speculate:
+    min(max_num_seqs, disable_by_batch_size) of max_model_len, DRAFT_POOL_TOKENS at most (and one
+    max_model_len sequence at least). ValueError when its vocabulary is not the target's."""
+    spec, block_size = config.speculative_config, config.kvcache_block_size
     most = min(config.max_num_seqs, spec.disable_by_batch_size or config.max_num_seqs)
+    tokens = max(min(most * config.max_model_len, DRAFT_POOL_TOKENS), config.max_model_len)
     dtype = next(name for name, d in DTYPES.items() if d == config.dtype)
     draft = Config.create(EngineArgs(
         spec.model, max_num_seqs=most, max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=config.max_model_len, kvcache_block_size=config.kvcache_block_size,
-        num_kvcache_blocks=most * -(-config.max_model_len // config.kvcache_block_size), enable_prefix_caching=False,
+        max_model_len=config.max_model_len, kvcache_block_size=block_size,
+        num_kvcache_blocks=-(-tokens // block_size), enable_prefix_caching=False,
         enforce_eager=config.enforce_eager, dtype=dtype, device=config.device.type,
         load_format="dummy" if config.load_format == "dummy" else "auto", attention_backend=config.attention_backend,
         seed=config.seed, trust_remote_code=config.trust_remote_code), with_tokenizer=False)
