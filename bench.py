@@ -239,8 +239,8 @@ def run_nanovllm(args, prompts, max_tokens):
     llm.generate(warm, SamplingParams(max_tokens=16, **sampling), use_tqdm=False, lora_request=loras[:len(warm)])
     if args.lora:  # compiles the LoRA kernels' prefill tiles (steps of more than 128 adapter rows)
         llm.generate([[1] * 300], SamplingParams(max_tokens=1), use_tqdm=False, lora_request=loras[0])
-    spec = args.speculative_config
-    if spec and spec["method"] == "replay":  # the recording run: each prompt's greedy completion
+    spec = llm.config.speculative_config  # resolved: its method, defaults filled in
+    if spec and spec.method == "replay":  # the recording run: each prompt's greedy completion
         llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     spec_before = spec_counts(llm) if spec else None
     times = []
@@ -269,7 +269,7 @@ def spec_counts(llm) -> dict:
     return {m.name.split(":")[1]: getattr(m, "values", getattr(m, "value", None)) for m in llm.get_metrics()}
 
 
-def spec_report(llm, spec: dict, before: dict, seconds: float) -> dict:
+def spec_report(llm, spec, before: dict, seconds: float) -> dict:
     """Print and return the timed runs' acceptance and the share of their wall time spent proposing."""
     after = spec_counts(llm)
     runs = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
@@ -277,17 +277,18 @@ def spec_report(llm, spec: dict, before: dict, seconds: float) -> dict:
     per_pos = [(a - b) / max(runs, 1) for a, b in zip(after["spec_decode_num_accepted_tokens_per_pos"],
                                                        before["spec_decode_num_accepted_tokens_per_pos"] + [0] * 64)]
     proposing = after["spec_decode_proposal_seconds"] - before["spec_decode_proposal_seconds"]
-    report = {"speculative_config": spec, "verify_runs": runs,
+    report = {"speculative_config": vars(spec), "verify_runs": runs,
               "mean_acceptance_length": round(1 + accepted / runs, 3) if runs else None,
               "acceptance_per_position": [round(r, 3) for r in per_pos],
               "proposal_share_of_wall_time": round(proposing / seconds, 4)}
     synthetic = " (SYNTHETIC: replayed greedy runs, each draft token kept with probability " \
-                f"{spec.get('acceptance_rate')})" if spec["method"] == "replay" else ""
-    print(f"speculative decoding {spec['method']}, k = {spec['num_speculative_tokens']}{synthetic}: {runs} verify runs, "
+                f"{spec.acceptance_rate})" if spec.method == "replay" else ""
+    print(f"speculative decoding {spec.method}, k = {spec.num_speculative_tokens}{synthetic}: {runs} verify runs, "
           f"mean acceptance length {report['mean_acceptance_length']} tokens per run, per position "
           f"{report['acceptance_per_position']}; proposing took {proposing * 1e3:.1f} ms = "
-          f"{100 * report['proposal_share_of_wall_time']:.2f}% of the wall time, verify steps (forward, "
-          f"sampling, acceptance, scheduling) the rest")
+          f"{100 * report['proposal_share_of_wall_time']:.2f}% of the wall time ("
+          + ("the draft model's steps" if spec.method == "draft_model" else "on the host")
+          + "), verify steps (forward, sampling, acceptance, scheduling) the rest")
     return report
 
 
