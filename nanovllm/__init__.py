@@ -4,7 +4,7 @@ from nanovllm.inputs import TextPrompt, TokensPrompt
 from nanovllm.llm import LLM
 from nanovllm.executor.llm_engine import LLMEngine
 from nanovllm.lora_request import LoRARequest
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "LoRARequest", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "Logprob", "TextPrompt", "TokensPrompt"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "LoRARequest", "SamplingParams", "StructuredOutputsParams",
+           "RequestOutput", "CompletionOutput", "Logprob", "TextPrompt", "TokensPrompt"]

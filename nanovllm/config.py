@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from nanovllm.engine_args import DTYPES, KV_CACHE_DTYPES, EngineArgs, SpeculativeConfig
+from nanovllm.engine_args import DTYPES, GRAMMAR_BACKENDS, KV_CACHE_DTYPES, EngineArgs, SpeculativeConfig
 from nanovllm.loader.source import load_tokenizer, read_generation_defaults, read_hf_config, resolve_path
 
 logger = logging.getLogger(__name__)
@@ -20,8 +20,9 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Config(EngineArgs):
     """EngineArgs resolved: model a local path, dtype and kv_cache_dtype torch.dtypes, device a
-    torch.device, load_format, quantization, attention_backend and max_model_len concrete,
-    speculative_config a SpeculativeConfig or None; and
+    torch.device, load_format, quantization, attention_backend, max_model_len and
+    structured_outputs_config's backend ("guidance", "xgrammar", or None: neither installed)
+    concrete, speculative_config a SpeculativeConfig or None; and
     what the model's files give: hf_config, tokenizer, eos_token_ids, generation_defaults (the
     default SamplingParams' fields). Made by create(); the engine reads it and changes copies of
     it only (dataclasses.replace)."""
@@ -54,7 +55,8 @@ class Config(EngineArgs):
                         quantization=_resolve_quantization(args.quantization, hf_config, device),
                         attention_backend=backend, max_model_len=_resolve_max_model_len(args.max_model_len, hf_config),
                         max_cpu_loras=args.max_cpu_loras or args.max_loras,
-                        speculative_config=args.speculative_config and SpeculativeConfig.from_dict(args.speculative_config))
+                        speculative_config=args.speculative_config and SpeculativeConfig.from_dict(args.speculative_config),
+                        structured_outputs_config={"backend": _resolve_grammar_backend(args.structured_outputs_config)})
         return cls(**{f.name: getattr(args, f.name) for f in fields(EngineArgs)} | resolved, hf_config=hf_config,
                    tokenizer=tok, eos_token_ids=_eos_token_ids(hf_config, tok),
                    max_model_len_is_default=args.max_model_len is None,
@@ -65,6 +67,15 @@ class Config(EngineArgs):
 def _default(name: str):
     """EngineArgs' default for argument `name`."""
     return next(f.default for f in fields(EngineArgs) if f.name == name)
+
+
+def _resolve_grammar_backend(config: dict | None) -> str | None:
+    """The backend asked for, or for "auto" the first of GRAMMAR_BACKENDS installed (None: neither;
+    a request with structured_outputs then gets a ValueError naming them)."""
+    backend = (config or {}).get("backend", "auto")
+    if backend == "auto":
+        return next((name for name, package in GRAMMAR_BACKENDS.items() if importlib.util.find_spec(package)), None)
+    return backend
 
 
 def _head_dim(hf_config) -> int:

@@ -14,6 +14,7 @@ DTYPES = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfl
 DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", *BACKENDS)
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}  # and "auto"
+GRAMMAR_BACKENDS = {"guidance": "llguidance", "xgrammar": "xgrammar"}  # structured outputs' backends -> packages
 SPECULATIVE_METHODS = ("ngram", "draft_model", "replay")
 
 
@@ -124,6 +125,9 @@ class EngineArgs:
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     or {"model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 4}; None: off. Not with LoRA or data
     parallelism yet, a draft model not with tensor parallelism.
+    structured_outputs_config: {"backend": "auto" | "guidance" | "xgrammar"}, the grammar library
+    behind SamplingParams.structured_outputs: "guidance" (llguidance), "xgrammar", or "auto"
+    (llguidance when installed, else xgrammar; nanovllm/sampling/structured says why).
     """
     model: str
     max_num_seqs: int = 256
@@ -154,6 +158,7 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     speculative_config: dict | SpeculativeConfig | None = None
+    structured_outputs_config: dict | None = None
 
     def validate(self):
         """Raise ValueError naming the first argument that is wrong and what it allows (what needs
@@ -192,6 +197,7 @@ class EngineArgs:
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
         if self.speculative_config is not None:
             self._validate_speculative_config()
+        self._validate_structured_outputs_config()
         if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError('distributed_executor_backend="ray" needs Ray: pip install "nanovllm[ray]"')
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -216,3 +222,17 @@ class EngineArgs:
         if spec.method == "draft_model" and self.tensor_parallel_size > 1:
             raise ValueError("speculative_config method \"draft_model\" does not combine with tensor parallelism yet "
                              "(tensor_parallel_size > 1); use \"ngram\" there")
+
+    def _validate_structured_outputs_config(self):
+        config = self.structured_outputs_config
+        if config is None:
+            return
+        if not isinstance(config, dict) or set(config) - {"backend"}:
+            raise ValueError(f'structured_outputs_config must be a dict with the key "backend", got {config!r}')
+        backend = config.get("backend", "auto")
+        if backend not in ("auto", *GRAMMAR_BACKENDS):
+            raise ValueError(f"structured_outputs_config backend must be one of {['auto', *GRAMMAR_BACKENDS]}, "
+                             f"got {backend!r}")
+        if backend != "auto" and importlib.util.find_spec(GRAMMAR_BACKENDS[backend]) is None:
+            raise ValueError(f"structured_outputs_config backend {backend!r} needs its package: "
+                             f"pip install {GRAMMAR_BACKENDS[backend]}")

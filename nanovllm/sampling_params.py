@@ -1,5 +1,6 @@
 """SamplingParams: how each request is completed; fields, defaults and meanings are vLLM's."""
 import copy
+import json
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -12,6 +13,85 @@ class RequestOutputKind(Enum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the completion (vLLM's StructuredOutputsParams), exactly one of:
+    json: a JSON schema (dict, or its JSON text) the completion must satisfy; regex: a regular
+    expression it must match in full; choice: strings it must be one of; grammar: a context-free
+    grammar in Lark syntax, or GBNF (llama.cpp's EBNF, rules written `name ::= ...`); json_object:
+    True for any JSON object.
+    Options: disable_any_whitespace: JSON without whitespace between its tokens (else any
+    whitespace is allowed there); disable_additional_properties: every object of the schema that
+    does not say otherwise gets additionalProperties false; whitespace_pattern: a regular
+    expression for the whitespace JSON may hold (backend "guidance" only).
+    ValueError (naming the field) when none or several constraints are set or one has the wrong
+    type; whether the schema, regex or grammar itself is valid is checked by the engine, which
+    compiles it, before the request runs."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """The constraint's field name: "json", "regex", "choice", "grammar" or "json_object"."""
+        return self._kinds()[0]
+
+    def _kinds(self) -> list[str]:
+        return [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None] + \
+            (["json_object"] if self.json_object else [])
+
+    def validate(self):
+        """Raise ValueError naming the field that is wrong and what it allows."""
+        kinds = self._kinds()
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar or json_object, "
+                             f"got {kinds or 'none'}")
+        if self.json is not None:
+            try:
+                schema = self.schema()
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"structured_outputs.json must be a JSON schema (a dict, or its JSON text), "
+                                 f"got {self.json!r}")
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be True, False or None, got {self.json_object!r}")
+
+    def cache_key(self) -> tuple:
+        """What makes two constraints the same grammar (a schema's key order aside)."""
+        kind = self.kind
+        spec = getattr(self, kind)
+        if kind == "json":
+            spec = json.dumps(self.schema(), sort_keys=True)
+        elif kind == "choice":
+            spec = tuple(spec)
+        return kind, spec, self.disable_any_whitespace, self.disable_additional_properties, self.whitespace_pattern
+
+    def schema(self) -> dict | bool:
+        """The JSON schema of json (parsed when given as text), or {"type": "object"} for json_object."""
+        if self.json_object:
+            return {"type": "object"}
+        return json.loads(self.json) if isinstance(self.json, str) else self.json
 
 
 @dataclass
@@ -45,8 +125,11 @@ class SamplingParams:
     output_kind: what LLMEngine.step reports of unfinished requests (LLM.generate sets FINAL_ONLY).
     extra_args: arguments for custom logits processors (nanovllm/sampling/processors), which read
     them in their applies() and prepare(); no built-in one does.
-    best_of (beyond n), use_beam_search, guided_decoding, structured_outputs: vLLM's, not supported
-    here (NotImplementedError, with what to use instead).
+    structured_outputs: a StructuredOutputsParams constraint (JSON schema, regex, choice,
+    grammar): only tokens it allows are sampled, and the completion ends (finish_reason "stop")
+    when it is complete. guided_decoding: vLLM's older name for it (moved to structured_outputs).
+    best_of (beyond n), use_beam_search: vLLM's, not supported here (NotImplementedError, with
+    what to use instead).
     """
     n: int = 1
     presence_penalty: float = 0.0
@@ -75,14 +158,15 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None
     # vLLM's, for what nanovllm does not do: validate() raises NotImplementedError when one is used
     best_of: int | None = field(default=None, repr=False, compare=False)
     use_beam_search: bool = field(default=False, repr=False, compare=False)
-    guided_decoding: object = field(default=None, repr=False, compare=False)
-    structured_outputs: object = field(default=None, repr=False, compare=False)
     # derived by validate(): `stop` as a tuple, whether a penalty applies, and whether anything but
     # temperature and the filters may shape the logits (penalties, logit_bias, banned or allowed
-    # tokens, min_tokens, extra_args for a custom processor): the logits processors look only at those
+    # tokens, min_tokens, extra_args for a custom processor, structured_outputs): the logits
+    # processors look only at those
     stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
     has_penalties: bool = field(init=False, repr=False, compare=False, default=False)
     needs_processing: bool = field(init=False, repr=False, compare=False, default=False)
@@ -96,8 +180,8 @@ class SamplingParams:
 
     def validate(self):
         """Raise ValueError naming the first field that is wrong and what it allows, NotImplementedError
-        for a vLLM feature nanovllm lacks (best_of > n, use_beam_search, guided_decoding or
-        structured_outputs). Checks that need the model (token ids inside its vocabulary) are the
+        for a vLLM feature nanovllm lacks (best_of > n, use_beam_search). Checks that need the model
+        (token ids inside its vocabulary; whether a schema, regex or grammar compiles) are the
         engine's (Processor)."""
         self._unsupported()
         _int(self, "n", 1)
@@ -145,9 +229,19 @@ class SamplingParams:
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}")
+        if self.guided_decoding is not None:  # vLLM's older name, as vLLM moves it
+            if self.structured_outputs is not None and self.structured_outputs is not self.guided_decoding:
+                raise ValueError("set structured_outputs or its older name guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams (e.g. "
+                                 f"StructuredOutputsParams(json=schema)), got {type(self.structured_outputs).__name__}")
+            self.structured_outputs.validate()
         self.has_penalties = bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
         self.needs_processing = bool(self.has_penalties or self.logit_bias or self.bad_words or self.allowed_token_ids is not None
-                                     or self.min_tokens or self.extra_args is not None)
+                                     or self.min_tokens or self.extra_args is not None
+                                     or self.structured_outputs is not None)
 
     def _unsupported(self):
         if self.best_of is not None and self.best_of != self.n:
@@ -156,10 +250,6 @@ class SamplingParams:
         if self.use_beam_search:
             raise NotImplementedError("beam search (use_beam_search) is not supported; sample n completions with "
                                       "logprobs=0 and rank them by cumulative_logprob")
-        if self.guided_decoding is not None or self.structured_outputs is not None:
-            raise NotImplementedError("structured outputs (guided_decoding, structured_outputs: JSON schema, regex, "
-                                      "choice, grammar) are not supported; allowed_token_ids, logit_bias and "
-                                      "bad_words constrain tokens")
 
 
 def _is_id(t) -> bool:

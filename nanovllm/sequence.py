@@ -21,8 +21,8 @@ class Sequence:
     num_computed_tokens (the tokens whose K/V are in the cache or computed by a launched step;
     the tokens after it are what the next step must run); the BlockManager block_table and
     num_hashed_blocks; the LLMEngine token_ids and the output state (stop_reason, logprobs,
-    detokenizer). index: which of its request's n completions this is; lora_request: the adapter
-    it runs with (None: the base model).
+    detokenizer); its Processor bad_words_ids and grammar. index: which of its request's n
+    completions this is; lora_request: the adapter it runs with (None: the base model).
     """
     _ids = count()
 
@@ -45,6 +45,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.detokenizer = None  # an IncrementalDetokenizer when text is needed token by token
         self.bad_words_ids: list[list[int]] = []  # token sequences of sampling_params.bad_words
+        self.grammar = None  # the GrammarState of sampling_params.structured_outputs (sampling/structured)
         self.num_forks = 0  # completions still to fork from this one once its prompt is computed (n > 1)
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob = 0.0

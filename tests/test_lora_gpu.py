@@ -3,7 +3,8 @@ the base and the deltas differently from transformers and flips random-weight ne
 tiny Qwen3's three PEFT adapters give transformers + peft's tokens with CUDA graphs (each graph
 variant: attention-only adapters replay graphs without the MLP's deltas) and eager, alone and
 mixed, in graphs of the fused kernel (batches up to 16) and of shrink + expand (32); Qwen3-0.6B's
-shapes with three rank-16 adapters against transformers + peft; TP=2 on two GPUs equals one GPU."""
+shapes with three rank-16 adapters against transformers + peft (up to TF32 ties: same_greedy);
+TP=2 on two GPUs equals one GPU."""
 import gc
 
 import pytest
@@ -56,7 +57,8 @@ def test_tiny_matches_peft(tiny, enforce_eager):
 @pytest.fixture(scope="module")
 def qwen3_06b(tmp_path_factory):
     """Qwen3-0.6B's shapes with random float32 weights and three rank-16 PEFT adapters (all seven
-    projections; q and v; alpha 32 with rsLoRA): (directory, prompts, LoRARequests, references)."""
+    projections; q and v; alpha 32 with rsLoRA): (directory, prompts, LoRARequests, references as
+    _greedy gives them)."""
     from transformers import AutoConfig, Qwen3ForCausalLM
 
     from nanovllm.loader.source import BUILTIN_CONFIGS
@@ -85,11 +87,26 @@ def qwen3_06b(tmp_path_factory):
 
 
 def _greedy(model, prompt):
+    """transformers + peft's greedy tokens for prompt, and at each the gap between its two largest logits."""
     ids = torch.tensor([prompt], device="cuda")
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens,
                              min_new_tokens=GREEDY.max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        top2 = model(out[:, :-1]).logits[0, len(prompt) - 1:].float().topk(2, -1).values
+    return out[0, len(prompt):].tolist(), (top2[:, 0] - top2[:, 1]).tolist()
+
+
+# The float32 engine's tensor-core products (attention tiles, the few-row GEMM) round their inputs
+# to TF32 (10 mantissa bits, a relative 2^-11), which moves logits near 3 by about 1e-3: where the
+# reference's two best tokens are closer than this, either is a correct greedy choice.
+TF32_TIE = 1e-2
+
+
+def same_greedy(got, want) -> bool:
+    """got equals want's tokens up to their first difference, where want's top two were a TF32 tie."""
+    tokens, gaps = want
+    diff = next((i for i, (a, b) in enumerate(zip(got, tokens)) if a != b), None)
+    return len(got) == len(tokens) and (diff is None or gaps[diff] < TF32_TIE)
 
 
 def test_qwen3_06b_shapes_match_peft(qwen3_06b):
@@ -97,9 +114,9 @@ def test_qwen3_06b_shapes_match_peft(qwen3_06b):
     llm = LLM(path, dtype="float32", max_model_len=1024, gpu_memory_utilization=0.5, enable_lora=True, max_loras=2,
               max_lora_rank=16)
     for lora, want in zip(requests + [None], expected):
-        assert run(llm, prompts, lora) == want
+        assert all(map(same_greedy, run(llm, prompts, lora), want))
     loras = [requests[i % 3] for i in range(len(prompts))]  # three adapters, two slots: one waits
-    assert run(llm, prompts, loras) == [expected[i % 3][i] for i in range(len(prompts))]
+    assert all(map(same_greedy, run(llm, prompts, loras), [expected[i % 3][i] for i in range(len(prompts))]))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -200,14 +200,21 @@ def test_logprobs_beyond_the_vocabulary_are_refused(tiny_qwen3):
     (dict(best_of=2), ["best_of=2 is not supported", "n=2", "cumulative_logprob"]),
     (dict(n=2, best_of=4), ["best_of=4 is not supported"]),
     (dict(use_beam_search=True), ["beam search", "use_beam_search", "not supported"]),
-    (dict(guided_decoding={"json": {"type": "object"}}), ["guided_decoding", "not supported"]),
-    (dict(structured_outputs={"regex": "[a-z]+"}), ["structured_outputs", "not supported"]),
 ])
 def test_unsupported_sampling_features_say_so(kwargs, names):
     with pytest.raises(NotImplementedError) as error:
         SamplingParams(**kwargs)
     assert all(name in str(error.value) for name in names), str(error.value)
     assert SamplingParams(n=3, best_of=3).n == 3  # best_of equal to n is what n does
+
+
+@pytest.mark.parametrize("kwargs", [dict(guided_decoding={"json": {"type": "object"}}),
+                                    dict(structured_outputs={"regex": "[a-z]+"})])
+def test_structured_outputs_take_their_params_class(kwargs):
+    """vLLM's structured_outputs (and its older name guided_decoding) take a StructuredOutputsParams,
+    which the error names (tests/test_structured_outputs.py runs them)."""
+    with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(**kwargs)
 
 
 def test_unsupported_llm_features_say_so(llm):

@@ -150,7 +150,8 @@ class EngineCore(EngineBase):
         up to a stop. Returns how many drafts it takes: those that leave its last token before
         max_tokens and max_model_len to a plain step, and fit in a step (max_num_batched_tokens);
         0 where seq cannot verify drafts now (not decoding: in prefill, preempted or finished; or
-        with logits processors, whose state follows one sampled row per sequence).
+        with logits processors, whose state follows one sampled row per sequence: penalties,
+        structured outputs' grammar matcher, ...).
         ValueError, nothing taken, for ids outside the vocabulary or a sequence with drafts already."""
         cfg, sp = self.config, seq.sampling_params
         vocab_size = cfg.hf_config.vocab_size

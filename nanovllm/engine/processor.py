@@ -7,6 +7,8 @@ from nanovllm.config import Config
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.loader.lora import check_adapter, lora_targets
 from nanovllm.lora_request import LoRARequest
+from nanovllm.sampling.structured.compiler import Grammar, GrammarCompiler
+from nanovllm.sampling.structured.state import GrammarState
 from nanovllm.sequence import PLACEHOLDER, Sequence
 from nanovllm.outputs import CompletionOutput, FlatLogprobs, RequestOutput, position_logprobs
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
@@ -23,6 +25,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list | None = None  # [None, then (step arrays, row) per prompt token] when asked
     lora_request: LoRARequest | None = None
+    grammar: Grammar | None = None  # params.structured_outputs, compiled (or compiling)
 
     @property
     def finished(self) -> bool:
@@ -37,12 +40,14 @@ class Processor:
     def __init__(self, config: Config):
         self.tokenizer = config.tokenizer
         self._token_texts: dict[int, str] = {}
-        self.vocab_size = config.hf_config.vocab_size
+        self.vocab_size, self.eos_token_ids = config.hf_config.vocab_size, config.eos_token_ids
         self.max_model_len, self.max_logprobs = config.max_model_len, config.max_logprobs
         self.enable_lora, self.max_lora_rank = config.enable_lora, config.max_lora_rank
         self.hf_config = config.hf_config
         self._loras: dict[int, str] = {}  # lora_int_id -> lora_path of every adapter checked so far
         self._lora_targets = None
+        self.grammars = GrammarCompiler((config.structured_outputs_config or {}).get("backend"), config.tokenizer,
+                                        self.vocab_size, config.eos_token_ids)
 
     def normalize(self, prompts, sampling_params) -> list[tuple[object, SamplingParams]]:
         """A generate call's prompts paired with their SamplingParams (one for all, or one per
@@ -68,7 +73,8 @@ class Processor:
                      lora_request: LoRARequest | None = None) -> Request:
         """Validate one request. prompt: a string, a list of token ids, or a dict with
         "prompt_token_ids" (and optionally its "prompt" text) or "prompt"; lora_request: its
-        adapter, or None. Raises ValueError."""
+        adapter, or None. Raises ValueError. A structured_outputs constraint is validated here
+        (GrammarCompiler; it compiles on a thread pool once the scheduler first considers the request)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
@@ -80,16 +86,19 @@ class Processor:
         ids = self._token_ids(prompt, params.truncate_prompt_tokens)
         if self.tokenizer is None and (params.stop_strings or params.bad_words):
             raise ValueError("stop strings and bad_words need the model's tokenizer, and it has none")
+        grammar = self.grammars.get(params.structured_outputs) if params.structured_outputs is not None else None
         request = Request(request_id, text, ids, params, prompt_logprobs=[None] if params.prompt_logprobs is not None
-                          else None, lora_request=lora_request)
+                          else None, lora_request=lora_request, grammar=grammar)
         request.seqs.append(self.new_sequence(request, 0))
         request.seqs[0].num_forks = params.n - 1
         return request
 
     def new_sequence(self, request: Request, index: int) -> Sequence:
         """Completion `index` of `request`, with its detokenizer when text is needed token by token
-        (stop strings, or outputs before the end)."""
+        (stop strings, or outputs before the end), and its own grammar matcher (structured outputs)."""
         seq = Sequence(request.prompt_token_ids, request.params, request.request_id, index, request.lora_request)
+        if request.grammar is not None:
+            seq.grammar = GrammarState(request.grammar)
         params = request.params
         for word in params.bad_words or ():  # as vLLM: the word alone and after a space
             for text in (word.lstrip(), " " + word.lstrip()):
@@ -191,7 +200,9 @@ class Processor:
         if seq.detokenizer is not None:
             text = seq.detokenizer.text
         elif params.detokenize and self.tokenizer is not None:
-            by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)  # EOS or a stop id
+            # ended by EOS or a stop id (not by a stop string, nor after its grammar's last token)
+            by_token = seq.finish_reason == "stop" and (isinstance(seq.stop_reason, int) or (
+                seq.stop_reason is None and bool(known) and known[-1] in self.eos_token_ids))
             text = self.tokenizer.decode(known[:-1] if by_token and not params.include_stop_str_in_output else known,
                                          skip_special_tokens=params.skip_special_tokens,
                                          spaces_between_special_tokens=params.spaces_between_special_tokens)

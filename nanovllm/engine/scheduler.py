@@ -6,9 +6,11 @@ that fits. Waiting sequences are admitted next while budget, `max_num_seqs` and 
 allow, starting after their prefix-cache hit. When a running sequence needs a block and none is
 free, the newest running sequence is preempted: its blocks are freed and it is recomputed later
 (its generated tokens are kept). The KV pool always holds one `max_model_len` sequence, so the
-oldest sequence always progresses and there is no deadlock. With max_loras, the running
-sequences run at most that many LoRA adapters (the device's adapter slots): a waiting sequence of
-another adapter waits, and those behind it that fit go first.
+oldest sequence always progresses and there is no deadlock. A waiting sequence that cannot start
+yet is passed over, and those behind it go first: one whose grammar (structured outputs) is still
+compiling (with nothing else to run, the scheduler waits for it), and, with max_loras, one of an
+adapter that finds no slot (the running sequences run at most max_loras LoRA adapters, the
+device's adapter slots).
 
 A decoding sequence with draft tokens (drafts: proposed by EngineCore.add_draft_tokens) runs them
 too, whole, after its token, while budget and free blocks allow; else they are dropped (they
@@ -65,10 +67,13 @@ class Scheduler:
         if self.drafts:
             budget = self._schedule_drafts(scheduled, budget)
         loras = {s.lora_int_id for s in self.running} - {0} if self.max_loras and self.waiting else set()
-        skipped = []  # waiting sequences of an adapter that finds no slot, left waiting in order
+        skipped = []  # waiting sequences that cannot start yet, left waiting in order
+        if not self.running:
+            self._wait_for_a_grammar()
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.lora_int_id and seq.lora_int_id not in loras and len(loras) >= self.max_loras:
+            if ((seq.grammar is not None and not seq.grammar.ready)
+                    or (seq.lora_int_id and seq.lora_int_id not in loras and len(loras) >= self.max_loras)):
                 skipped.append(self.waiting.popleft())
                 continue
             cached = self.block_manager.find_cached_blocks(seq)
@@ -90,6 +95,12 @@ class Scheduler:
             # longest context first: the decode kernel then starts the longest work first
             scheduled.sort(key=lambda item: item[0].num_computed_tokens, reverse=True)
         return scheduled
+
+    def _wait_for_a_grammar(self):
+        """With nothing running, a step has work only once a waiting sequence may start: when every
+        one's grammar is still compiling (asking starts their compiles), wait for the first."""
+        if self.waiting and all(s.grammar is not None and not s.grammar.ready for s in self.waiting):
+            self.waiting[0].grammar.wait()
 
     def _schedule_drafts(self, scheduled: list[tuple[Sequence, int]], budget: int) -> int:
         """Extend each scheduled decode (one new token) of a sequence with drafts by its drafts, where
@@ -130,7 +141,7 @@ class Scheduler:
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+            self.waiting.popleft()
         self.block_manager.free(seq)
         self.drafts.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED

@@ -11,11 +11,13 @@ def check_stop(seq: Sequence, token: int, num_tokens: int, eos_token_ids: frozen
     token stays in token_ids, its text leaves the detokenized text unless
     include_stop_str_in_output, as vLLM's detokenizer skips a stop token);
     ("stop", s) for a stop string s completed by new_text (the text the token added; the
-    detokenized text is then cut, see cut_stop_string); ("length", None) once the completion
-    holds max_tokens tokens or the sequence max_model_len. Before min_tokens completion tokens
-    only "length" can end it (the sampler masks EOS and stop ids until then). With token =
-    PLACEHOLDER (sampled, not read yet) only "length" can be decided, which the engine does as
-    soon as the step is launched."""
+    detokenized text is then cut, see cut_stop_string); ("stop", None) when its grammar
+    (structured_outputs, fed the token here if the sampler has not) is complete, so that only EOS
+    could follow, whatever ignore_eos and min_tokens say, or refused the token (logged);
+    ("length", None) once the completion holds max_tokens tokens or the sequence max_model_len.
+    Before min_tokens completion tokens only "length" or the grammar can end it (the sampler masks
+    EOS and stop ids until then). With token = PLACEHOLDER (sampled, not read yet) only "length"
+    can be decided, which the engine does as soon as the step is launched."""
     sp, num_completion_tokens = seq.sampling_params, num_tokens - seq.num_prompt_tokens
     if token != PLACEHOLDER and num_completion_tokens >= sp.min_tokens:
         if not sp.ignore_eos and token in eos_token_ids:
@@ -27,6 +29,8 @@ def check_stop(seq: Sequence, token: int, num_tokens: int, eos_token_ids: frozen
             if found:
                 cut_stop_string(seq, *found)
                 return "stop", found[0]
+    if token != PLACEHOLDER and seq.grammar is not None and seq.grammar.advance(seq):
+        return "stop", None
     if (sp.max_tokens is not None and num_completion_tokens >= sp.max_tokens) or num_tokens >= max_model_len:
         return "length", None
     return None

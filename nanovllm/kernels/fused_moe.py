@@ -41,7 +41,8 @@ class MoEConfig:
     path's weight rows per program and K step (None: the product's whole K, up to 2048, in one
     step), for the gate/up and the down product alike. The pair path's defaults follow the
     one-row GEMV's measured tiling (gemv.gemv_config: 4 rows, all of K <= 3072 in one step, a
-    grid that leaves room on every SM), with 8 warps for gate/up's two accumulators."""
+    grid that leaves room on every SM); 4 warps measured faster than 8 (benchmarks/moe.py
+    --sweep on an H100 at Qwen3-30B-A3B's shapes: 32 against 49 us per layer at one token)."""
     pairs: bool = False
     block_m: int = 16
     block_n: int = 64
@@ -51,26 +52,30 @@ class MoEConfig:
     num_stages: int = 3
     pair_n: int = 4
     pair_k: int | None = None
-    pair_warps: int = 8
+    pair_warps: int = 4
 
 
-PAIRS_MAX_TOKENS = 4  # up to this many tokens the pair path; to be revisited with benchmarks/moe.py
+PAIRS_MAX_TOKENS = 4  # up to this many tokens the pair path (at 8 tokens the two paths measured alike)
 
 
-def default_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
+def default_config(num_tokens: int, top_k: int, num_experts: int, fp8: bool = False) -> MoEConfig:
     """The tiles for a step of num_tokens tokens: the pair path for a few tokens; then tiles that
-    grow with the pairs per expert (num_tokens * top_k / num_experts), small M tiles while
-    experts get a few rows each (decode), large ones for prefill (vLLM's untuned defaults' shapes;
-    3 stages: 120 KB of shared memory for gate/up's tiles in bf16, within an A100's). Not yet
-    measured on a GPU: benchmarks/moe.py --sweep prints the fastest per size."""
+    grow with the pairs per expert (num_tokens * top_k / num_experts). Chosen with benchmarks/moe.py
+    --sweep on an H100 at Qwen3-30B-A3B's shapes (128 experts, top 8), the fastest per size, us
+    per layer: 1 token 32 (pairs), 8 tokens 195-199 (either path), 64 tokens 433 (16-row tiles),
+    256 tokens 455 (32-row tiles), 4096 tokens 939 (128 x 128 tiles, 8 warps; 64 x 128 tiles:
+    1055). vLLM keeps such choices as tuned JSON per GPU and shape; one rule by pairs per expert
+    stands in for them until another GPU or shape measures differently. fp8 (float8 weights): the
+    pair path takes 8 rows per program in steps of 512 along K (the fastest of benchmarks/moe.py
+    --fp8 --sweep at one token on an H200, 27 us per layer)."""
     if num_tokens <= PAIRS_MAX_TOKENS:
-        return MoEConfig(pairs=True)
+        return MoEConfig(pairs=True, pair_n=8, pair_k=512) if fp8 else MoEConfig(pairs=True)
     per_expert = num_tokens * top_k / num_experts
-    if per_expert <= 16:
+    if per_expert <= 8:
         return MoEConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3)
     if per_expert <= 64:
         return MoEConfig(block_m=32, block_n=64, block_k=128, group_m=4, num_warps=4, num_stages=3)
-    return MoEConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=3)
+    return MoEConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
 
 
 @triton.jit
@@ -273,9 +278,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     float8 e4m3 with w13_scale [E, 2N] and w2_scale [E, H] float32; topk_weights [T, k] float32,
     topk_ids [T, k] int32 (moe_routing.moe_topk's output). Returns [T, H] in x's dtype, written to
     out when given (rows may be strided: a tensor-parallel partial-sums buffer). config: the path
-    and tiles (default_config(T, k, E) when None)."""
+    and tiles (default_config(T, k, E, fp8) when None)."""
     num_tokens, hidden = x.shape
-    config = config or default_config(num_tokens, topk_ids.size(1), w13.size(0))
+    config = config or default_config(num_tokens, topk_ids.size(1), w13.size(0), w13_scale is not None)
     out = out if out is not None else torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out

@@ -30,9 +30,15 @@ class SamplingTensors:
     from_shards: bool = False
 
     @property
+    def unfiltered(self) -> bool:
+        """Whether every row draws from softmax(x / T) of its logits x after the processors (or
+        takes the argmax): no top-k, top-p or min-p."""
+        return self.top_k is None and self.top_p is None and self.min_p is None
+
+    @property
     def only_temperature(self) -> bool:
         """Whether every row draws from softmax(logits / T) (or takes the argmax): no processors, no filters."""
-        return not self.processors and self.top_k is None and self.top_p is None and self.min_p is None
+        return not self.processors and self.unfiltered
 
     def for_workers(self) -> "SamplingTensors":
         """What the other tensor-parallel ranks need of it, sent with the step's plan: whether they
@@ -123,10 +129,11 @@ class Sampler(nn.Module):
     is the Gumbel-max draw argmax(logits / T + G), exactly from softmax(logits / T) over the kept
     tokens (Gumbel 1954); G = -log(E), E ~ Exp(1) from the engine's generator, except in seeded
     rows, whose G is a hash of (seed, token id) (gumbel_noise), so they repeat whatever else is in
-    the batch. On CUDA, a batch with temperatures alone is sampled in one pass by the Gumbel-max
-    kernel (kernels/sampling.py), with the same hash in seeded rows; with top_p and/or min_p (and
-    no top_k) by the nucleus kernel, which draws the sorted path's token without sorting; with
-    top_k on every sampling row, by the top-k kernel over the rows' max_top_k largest logits.
+    the batch. On CUDA, a batch with temperatures alone (after its processors, if any) is sampled
+    in one pass by the Gumbel-max kernel (kernels/sampling.py), with the same hash in seeded
+    rows; with top_p and/or min_p (and no top_k) by the nucleus kernel, which draws the sorted
+    path's token without sorting; with top_k on every sampling row, by the top-k kernel over the
+    rows' max_top_k largest logits.
     Logprobs are the log-softmax of the raw logits (logprobs_mode "raw_logprobs") or of the
     logits the token was drawn from ("processed_logprobs": after the processors, temperature and
     filters).
@@ -148,7 +155,7 @@ class Sampler(nn.Module):
                 processor.apply(logits, state)
         if st.temperatures is None:
             sampled, final = logits.argmax(-1), logits
-        elif logits.is_cuda and st.only_temperature and not need_final:
+        elif logits.is_cuda and st.unfiltered and not need_final:  # on the processed logits, if any
             from nanovllm.kernels.sampling import gumbel_max_sample
             sampled, final = gumbel_max_sample(logits, st.temperatures, self.kernel_seeds(logits.size(0), st)), None
         elif logits.is_cuda and st.top_k is None and not need_final:  # top_p and/or min_p, no sort

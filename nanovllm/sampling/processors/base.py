@@ -49,20 +49,24 @@ class LogitsProcessor:
       needs_processing true when set (the gate that keeps plain batches free of any processor
       work), or params.extra_args (a processor from outside the package). The engine's Processor
       (engine/processor.py) checks token ids against the vocabulary and tokenizes what needs the
-      tokenizer (bad_words -> Sequence.bad_words_ids): a processor sees token ids only.
-    - Per-row state that lasts across steps (penalties' token counts, a grammar's matcher) is
-      kept in the instance by seq_id: built in prepare() for a sequence that has none (its first
-      sampled step, its return after a preemption, a forked child: from its token ids), advanced
-      in update() with each step's sampled tokens, and dropped for sequences that no longer come
+      tokenizer (bad_words -> Sequence.bad_words_ids; structured_outputs -> a compiled grammar,
+      and Sequence.grammar, each completion's matcher): a processor sees token ids only.
+    - Per-row state that lasts across steps (penalties' token counts) is kept in the instance by
+      seq_id: built in prepare() for a sequence that has none (its first sampled step, its return
+      after a preemption, a forked child: from its token ids), advanced in update() with each
+      step's sampled tokens, and dropped for sequences that no longer come
       (prepare sees every sampled sequence that carries the processor) and in reset().
       update() runs on the device right after the draw, before the tokens reach the host; a
       host-side state (a grammar matcher) that needs their values reads them from the Sequence
-      in the next prepare(), where the last one may still be PLACEHOLDER: batch.last_sampled()
-      gives it on the device, and reading it on the host waits for the step that sampled it.
+      in the next step, where the last one may still be PLACEHOLDER: batch.last_sampled()
+      gives it on the device, and reading it on the host waits for the step that sampled it;
+      done in prepare(), that wait comes before the step's forward is queued, so the grammar's
+      processor (grammar_bitmask.py) copies them in update() and waits for that copy in apply().
     - A constraint that must hold whatever else changes the logits (a grammar's token bitmask:
       -inf outside the allowed tokens) goes first in PROCESSORS.
     - apply() must not synchronize with the host (.item(), .tolist(), torch.unique, boolean
       indexing): work out on the host, in prepare(), anything whose size depends on the data.
+      Waiting for an event of an earlier step is fine there: the step's forward is queued by then.
     - Under tensor parallelism, a step where any row has processor state is sampled on rank 0
       from the gathered logits; the other ranks never see processors.
     """
