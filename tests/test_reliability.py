@@ -46,7 +46,7 @@ def engines(tiny_qwen3):
             LLM(path, device="cpu", kvcache_block_size=4, num_kvcache_blocks=30, max_model_len=96, max_num_seqs=3,
                 max_num_batched_tokens=9, enable_prefix_caching=False),
             LLM(path, device="cpu", kvcache_block_size=8, num_kvcache_blocks=16, max_model_len=96, max_num_seqs=4,
-                max_num_batched_tokens=24, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                max_num_batched_tokens=48, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                                "prompt_lookup_min": 1, "prompt_lookup_max": 2})]
 
 
@@ -58,7 +58,7 @@ def report_property_stats():
     """After the module: how much the property test exercised; its workloads must have preempted."""
     yield
     print(f"\nproperty tests: {STATS['workloads']} random workloads, {STATS['steps']} engine steps checked, "
-          f"{STATS['preemptions']} preemptions")
+          f"{STATS['preemptions']} preemptions, {STATS['verify_runs']} verify runs")
     assert STATS["workloads"] == 0 or STATS["preemptions"] > 0
     assert STATS["workloads"] == 0 or STATS["verify_runs"] > 0
 
