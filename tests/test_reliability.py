@@ -39,7 +39,7 @@ workload = st.lists(st.lists(request, min_size=1, max_size=6), min_size=1, max_s
 @pytest.fixture(scope="module")
 def engines(tiny_qwen3):
     path = tiny_qwen3[0]
-    return [LLM(path, device="cpu", kvcache_block_size=8, num_kvcache_blocks=12, max_model_len=96, max_num_seqs=4,
+    engines = [LLM(path, device="cpu", kvcache_block_size=8, num_kvcache_blocks=12, max_model_len=96, max_num_seqs=4,
                 max_num_batched_tokens=16),
             LLM(path, device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=96, max_num_seqs=8,
                 max_num_batched_tokens=64),
@@ -48,6 +48,9 @@ def engines(tiny_qwen3):
             LLM(path, device="cpu", kvcache_block_size=8, num_kvcache_blocks=16, max_model_len=96, max_num_seqs=4,
                 max_num_batched_tokens=48, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                                "prompt_lookup_min": 1, "prompt_lookup_max": 2})]
+    speculator = engines[3].engine.speculator  # as many verify runs as the random prompts allow:
+    speculator.uniform, speculator.max_idle_skip = True, 0  # every decoding row with drafts, no backoff
+    return engines
 
 
 STATS = Counter()

@@ -37,6 +37,7 @@ class Speculator:
         self.spec, self.uniform = config.speculative_config, uniform
         self.proposer = proposer
         self.metrics = metrics
+        self.max_idle_skip = MAX_IDLE_SKIP
         self._idle = self._skip = 0  # the current idle skip, and the steps of it left
 
     def active(self, scheduler: Scheduler) -> bool:
@@ -61,7 +62,7 @@ class Speculator:
         drafts = self.proposer.propose(seqs)
         self.metrics.proposal_seconds += time.perf_counter() - start
         if not any(drafts):
-            self._idle = self._skip = min(2 * self._idle or 1, MAX_IDLE_SKIP)
+            self._idle = self._skip = min(2 * self._idle or 1, self.max_idle_skip)
             return
         self._idle = 0
         if self.uniform:
