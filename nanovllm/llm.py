@@ -103,10 +103,13 @@ class LLM:
             for request_id, (prompt, params, lora) in zip(ids, requests):
                 self.engine.add_request(request_id, prompt, replace(params, output_kind=RequestOutputKind.FINAL_ONLY),
                                         lora)
+            spec_metrics = getattr(self.engine, "spec_metrics", None) if self.config.speculative_config else None
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     outputs[out.request_id] = out
                     bar.update(1)
+                    if spec_metrics is not None and use_tqdm:
+                        bar.set_postfix_str(spec_metrics.postfix(), refresh=False)
         except BaseException:
             self.engine.abort_all_requests()
             raise
@@ -147,6 +150,16 @@ class LLM:
         """Empty the prefix cache (e.g. between benchmark runs); False while requests hold blocks."""
         with self._lock:
             return self.engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list:
+        """vLLM's LLM.get_metrics(): metric records with .name, .labels and .value (Counter, Gauge) or
+        .values (Vector), counted since the engine started. With speculative decoding:
+        vllm:spec_decode_num_drafts (verify runs), vllm:spec_decode_num_draft_tokens,
+        vllm:spec_decode_num_accepted_tokens, vllm:spec_decode_num_accepted_tokens_per_pos (a
+        Vector: runs whose i-th draft was accepted) and nanovllm:spec_decode_proposal_seconds (host
+        time proposing); mean acceptance length = 1 + accepted tokens / drafts."""
+        with self._lock:
+            return self.engine.get_metrics()
 
     # vLLM's LLM methods for what nanovllm does not do: each raises NotImplementedError saying so
 

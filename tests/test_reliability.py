@@ -1,5 +1,6 @@
-"""Reliability: random workloads keep the block manager and scheduler consistent after every step,
-an interrupted generate leaves the engine clean, broken model files give errors that name them."""
+"""Reliability: random workloads (with and without n-gram speculation) keep the block manager and
+scheduler consistent after every step, an interrupted generate leaves the engine clean, broken
+model files give errors that name them."""
 import gc
 import json
 import os
@@ -38,12 +39,18 @@ workload = st.lists(st.lists(request, min_size=1, max_size=6), min_size=1, max_s
 @pytest.fixture(scope="module")
 def engines(tiny_qwen3):
     path = tiny_qwen3[0]
-    return [LLM(path, device="cpu", kvcache_block_size=8, num_kvcache_blocks=12, max_model_len=96, max_num_seqs=4,
+    engines = [LLM(path, device="cpu", kvcache_block_size=8, num_kvcache_blocks=12, max_model_len=96, max_num_seqs=4,
                 max_num_batched_tokens=16),
             LLM(path, device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=96, max_num_seqs=8,
                 max_num_batched_tokens=64),
             LLM(path, device="cpu", kvcache_block_size=4, num_kvcache_blocks=30, max_model_len=96, max_num_seqs=3,
-                max_num_batched_tokens=9, enable_prefix_caching=False)]
+                max_num_batched_tokens=9, enable_prefix_caching=False),
+            LLM(path, device="cpu", kvcache_block_size=8, num_kvcache_blocks=16, max_model_len=96, max_num_seqs=4,
+                max_num_batched_tokens=48, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                               "prompt_lookup_min": 1, "prompt_lookup_max": 2})]
+    speculator = engines[3].engine.speculator  # as many verify runs as the random prompts allow:
+    speculator.uniform, speculator.max_idle_skip = True, 0  # every decoding row with drafts, no backoff
+    return engines
 
 
 STATS = Counter()
@@ -54,12 +61,13 @@ def report_property_stats():
     """After the module: how much the property test exercised; its workloads must have preempted."""
     yield
     print(f"\nproperty tests: {STATS['workloads']} random workloads, {STATS['steps']} engine steps checked, "
-          f"{STATS['preemptions']} preemptions")
+          f"{STATS['preemptions']} preemptions, {STATS['verify_runs']} verify runs")
     assert STATS["workloads"] == 0 or STATS["preemptions"] > 0
+    assert STATS["workloads"] == 0 or STATS["verify_runs"] > 0
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(waves=workload, which=st.integers(0, 2), seed=st.integers(0, 10**6))
+@given(waves=workload, which=st.integers(0, 3), seed=st.integers(0, 10**6))
 def test_random_workloads_keep_invariants(engines, waves, which, seed):
     llm = engines[which]
     engine = llm.engine
@@ -97,6 +105,7 @@ def test_random_workloads_keep_invariants(engines, waves, which, seed):
         llm.engine.scheduler.schedule = original
     STATS["workloads"] += 1
     STATS["preemptions"] = sum(e.engine.scheduler.num_preemptions for e in engines)
+    STATS["verify_runs"] = engines[3].engine.spec_metrics.num_drafts  # the one with speculative decoding
     for seq, prompt_len in all_seqs:
         expected = min(seq.sampling_params.max_tokens, max(1, 96 - prompt_len))
         assert seq.is_finished and seq.finish_reason == "length" and seq.num_completion_tokens == expected

@@ -4,8 +4,8 @@ numpy; constrained greedy completions equal the argmax of transformers' logits u
 library's own mask, step by step, in a batch with free rows that equal transformers' greedy
 ones; the grammars' stop tokens are the engine's EOS ids; sampled completions validate and repeat
 with their seed; n > 1, preemption, max_tokens, stop strings and the grammar's end; rollback; no
-speculative drafts for a constrained sequence; bad input; the scheduler's rule for compiling
-grammars, beside LoRA's; tensor and data parallelism. On CUDA (skipped
+speculative drafts for a constrained sequence, which decodes beside speculating ones; bad input;
+the scheduler's rule for compiling grammars, beside LoRA's; tensor and data parallelism. On CUDA (skipped
 here): the kernel at Qwen3's size, and the engine with CUDA graphs and truly overlapped steps."""
 import gc
 import importlib.util
@@ -321,6 +321,21 @@ def test_a_constrained_sequence_takes_no_drafts(llm, tiny):
             assert engine.add_draft_tokens(seq, drafts[:3]) == 0 and seq.seq_id not in engine.scheduler.drafts
             checked += engine.add_draft_tokens(free, [1]) == 1
     assert checked and finished["json"].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_constrained_requests_decode_beside_speculating_ones(tiny):
+    """With speculative_config, a constrained request decodes without drafts in the same steps as a
+    free one that verifies n-gram drafts; both completions are the ones made without speculation."""
+    path, _, tokenizer = tiny
+    prompts = [tokenizer.encode("Alice"), tokenizer.encode("Bob and Bob and Bob and Bob and")]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=json_params()),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    plain = LLM(path, **ARGS).generate(prompts, params, use_tqdm=False)
+    spec = LLM(path, **ARGS, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                 "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    ours = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in plain]
+    assert spec.engine.spec_metrics.num_drafts > 0
 
 
 @pytest.mark.parametrize("bad, field", [

@@ -35,3 +35,7 @@ class EngineBase(ABC):
     @abstractmethod
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; False while requests hold blocks."""
+
+    def get_metrics(self) -> list:
+        """The engine's metric records (engine/spec_decode/metrics.py); none by default."""
+        return []

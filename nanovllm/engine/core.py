@@ -12,6 +12,7 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.processor import Processor, Request
 from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.spec_decode import SpecDecodeMetrics, Speculator, make_proposer
 from nanovllm.sampling.warmup import warm_up_sampler
 from nanovllm.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from nanovllm.engine.stop_checker import check_stop
@@ -29,6 +30,8 @@ class EngineCore(EngineBase):
     handle on them, executor/tp_workers.py), which this process drives as rank 0."""
 
     def __init__(self, config: Config, workers=None):
+        spec = config.speculative_config
+        proposer = make_proposer(config) if spec else None  # a draft model's memory first: the KV cache gets the rest
         self.model_runner = runner = ModelRunner(config, workers=workers)
         if runner.device.type == "cuda":  # every sampling kernel compiled now, not inside a generate call
             warm_up_sampler(config.logprobs_mode, config.hf_config.vocab_size, runner.dtype, runner.device)
@@ -46,6 +49,9 @@ class EngineCore(EngineBase):
         self.requests: dict[str, Request] = {}  # the unfinished ones
         self._inflight: tuple[LaunchedStep, list[int]] | None = None  # launched step, each row's PLACEHOLDER index
         self.num_prefill_tokens = self.num_decode_tokens = 0  # of the last step
+        self.spec_metrics = SpecDecodeMetrics(spec.num_speculative_tokens if spec else 0)  # every verify run's
+        self.speculator = Speculator(config, proposer, self.spec_metrics, uniform=runner.graph_runner is not None) \
+            if spec else None
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> None:
@@ -84,6 +90,10 @@ class EngineCore(EngineBase):
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()
 
+    def get_metrics(self) -> list:
+        """The speculative decoding counters since the engine started (engine/spec_decode/metrics.py)."""
+        return self.spec_metrics.metrics()
+
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step, then finish the previous one.
 
@@ -92,7 +102,16 @@ class EngineCore(EngineBase):
         the next step. A token that is sampled but not yet read sits in its sequence as
         PLACEHOLDER and the next step takes its value straight from the GPU. A sequence that
         stopped is found one step late; the one extra token computed for it is dropped.
+        A speculative step (speculative_config) reads the step in flight first and proposes drafts
+        from every known token (engine/spec_decode/speculator.py says why).
         """
+        outputs = []
+        if self.speculator is not None and self.speculator.active(self.scheduler):
+            if self._inflight is not None:
+                previous, self._inflight = self._inflight, None
+                outputs = self._process(*previous)
+            with region("propose"):
+                self.speculator.propose(self)
         with region("scheduling"):
             scheduled = self.scheduler.schedule()
         prefill = [n for seq, n in scheduled if seq.num_computed_tokens - n < seq.num_prompt_tokens]
@@ -102,7 +121,7 @@ class EngineCore(EngineBase):
         forks, copies = self._fork(scheduled)
         launched = self.model_runner.run(scheduled, forks, copies, drafts) if scheduled else None
         previous, self._inflight = self._inflight, self._after_launch(launched) if launched else None
-        return self._process(*previous) if previous else []
+        return outputs + self._process(*previous) if previous else outputs
 
     def _fork(self, scheduled) -> tuple[dict, list]:
         """For a request with n > 1, the other n - 1 completions start when its prompt is computed:
@@ -209,13 +228,16 @@ class EngineCore(EngineBase):
                 outputs.append(out)
             if request.finished:
                 del self.requests[request.request_id]
+                for seq in request.seqs if self.speculator else ():
+                    self.speculator.finished(seq)
         return outputs
 
     def _accept_runs(self, runs: list[tuple], positions: list[int], tokens: list[int]):
         """Cut each verify run (sequence, first row, drafts) after its first token that differs from
         the draft at its position: the later tokens followed a wrong draft, and so did the KV from
         that position on (truncated), and the rows of the step launched since (in flight) for that
-        sequence, which are marked stale. The tokens kept then fill in as every row's, stops included."""
+        sequence, which are marked stale. The tokens kept then fill in as every row's, stops included.
+        Each run checked counts in spec_metrics."""
         cut = set()
         for seq, first, drafts in runs:
             if seq.is_finished or positions[first] >= len(seq.token_ids):
@@ -227,6 +249,9 @@ class EngineCore(EngineBase):
                     self.block_manager.truncate(seq, pos)
                     cut.add(seq.seq_id)
                     break
+            else:
+                j = len(drafts)
+            self.spec_metrics.record(len(drafts), j)
         if cut and self._inflight is not None:
             later, later_positions = self._inflight
             for row, seq in enumerate(later.seqs):

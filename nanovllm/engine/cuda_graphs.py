@@ -15,7 +15,19 @@ from nanovllm.sequence import PLACEHOLDER
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
 from nanovllm.layers.lora import LoRAContext
 
-CAPTURE_Q_LENS = (1,)  # the q_lens whose uniform steps get graphs: decode only, until drafts are proposed
+CAPTURE_Q_LENS = (1,)  # the q_lens whose uniform steps get graphs: decode; with speculation also 1 + k (capture_q_lens)
+
+
+def capture_q_lens(config: Config) -> dict[int, int]:
+    """q_len -> the most sequences its graphs hold: CAPTURE_Q_LENS' max_num_seqs, and with
+    speculative decoding verify steps of k drafts (q_len 1 + k) up to disable_by_batch_size
+    sequences (no larger step speculates)."""
+    q_lens = dict.fromkeys(CAPTURE_Q_LENS, config.max_num_seqs)
+    spec = config.speculative_config
+    if spec is not None:
+        q_lens[1 + spec.num_speculative_tokens] = min(config.max_num_seqs,
+                                                      spec.disable_by_batch_size or config.max_num_seqs)
+    return q_lens
 
 
 class CUDAGraphRunner:
@@ -30,8 +42,11 @@ class CUDAGraphRunner:
         self.model, self.backend, self.graphs, self.lora = model, backend, graphs, lora
         max_seqs, max_tokens = config.max_num_seqs, config.max_num_batched_tokens
         sizes = sorted({b for b in [1, 2, 4, 8, *range(16, max_seqs + 1, 16), max_seqs] if b <= max_seqs})
-        self.batch_sizes = {q: [b for b in sizes if b * q <= max_tokens] for q in CAPTURE_Q_LENS
-                            if q <= max_tokens}  # q_len -> its batch sizes, ascending
+        self.batch_sizes = {}  # q_len -> its batch sizes, ascending, up to the first that holds its most sequences
+        for q, most in capture_q_lens(config).items():
+            cap = min(b for b in sizes if b >= most)
+            if q <= max_tokens:
+                self.batch_sizes[q] = [b for b in sizes if b <= cap and b * q <= max_tokens]
         num_tokens = max(bs[-1] * q for q, bs in self.batch_sizes.items())  # the largest graph's
         self.input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
         self.outputs = torch.zeros(num_tokens, hidden_size, dtype=dtype, device=device)

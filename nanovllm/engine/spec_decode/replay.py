@@ -1,0 +1,42 @@
+"""A proposer for measuring the speculative mechanism at a chosen acceptance: testing and benchmarks only."""
+import numpy as np
+
+from nanovllm.engine.spec_decode.proposer import Proposer
+from nanovllm.sequence import Sequence
+
+
+class ReplayProposer(Proposer):
+    """speculative_config {"method": "replay", "acceptance_rate": a, "num_speculative_tokens": k}:
+    replays the completion that this engine gave the same prompt in an earlier greedy run (recorded
+    when that sequence finished: the longest), each draft token kept with probability a and otherwise replaced
+    by another token. Under greedy decoding a draft is then accepted with probability a while the
+    run follows its record (a[i] = E[tokens accepted at position i] = a^(i+1)): SYNTHETIC acceptance,
+    to time verify steps at a controlled acceptance (bench.py) with any weights. A sequence whose
+    prompt has no record, or whose run has left its record, gets no useful drafts."""
+
+    def __init__(self, spec, vocab_size: int, seed: int):
+        self.k, self.rate, self.vocab_size = spec.num_speculative_tokens, spec.acceptance_rate, vocab_size
+        self.rng = np.random.default_rng(seed)
+        self.records: dict[tuple[int, ...], list[int]] = {}  # prompt -> recorded greedy completion
+
+    def propose(self, seqs: list[Sequence]) -> list[list[int]]:
+        drafts = []
+        for seq in seqs:
+            record = self.records.get(tuple(seq.prompt_token_ids))
+            if record is None:
+                drafts.append([])
+                continue
+            done = seq.num_completion_tokens
+            run = np.array(record[done:done + self.k], np.int64)
+            wrong = self.rng.random(run.size) >= self.rate
+            run[wrong] = (run[wrong] + self.rng.integers(1, self.vocab_size, int(wrong.sum()))) % self.vocab_size
+            drafts.append(run.tolist())
+        return drafts
+
+    def finished(self, seq: Sequence) -> None:
+        """Record a finished greedy completion, unless a longer one of its prompt is recorded (greedy
+        runs of one prompt that stop at different places are prefixes of one another)."""
+        prompt = tuple(seq.prompt_token_ids)
+        if (seq.sampling_params.temperature == 0 and seq.finish_reason != "abort"
+                and seq.num_completion_tokens > len(self.records.get(prompt, ()))):
+            self.records[prompt] = seq.completion_token_ids
