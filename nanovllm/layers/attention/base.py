@@ -135,8 +135,13 @@ class AttentionBackend:
 
     def graph_metadata(self, batch_size: int, q_len: int = 1) -> AttentionMetadata:
         """The static metadata of a step of batch_size sequences of q_len new tokens each (what a
-        graph captures): a decode step for q_len 1, else one the prefill path runs."""
+        graph captures): a decode step for q_len 1, else one the prefill path runs. The graph's
+        warm-up and first replay run on these values: for q_len > 1 each sequence's context is its
+        q_len tokens, as write_graph_inputs pads (a context of 0 would place the queries before
+        position 0, where the prefill kernel's rotary table lookups read before the table)."""
         g, num_tokens = self.graph_meta, batch_size * q_len
+        if q_len > 1:
+            g.context_lens[:batch_size] = q_len
         return AttentionMetadata(g.positions[:num_tokens], g.slot_mapping[:num_tokens],
                                  self.graph_cu_seqlens_q[q_len][:batch_size + 1], g.context_lens[:batch_size],
                                  g.block_tables[:batch_size], q_len, q_len, batch_size if q_len == 1 else 0)
