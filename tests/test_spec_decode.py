@@ -83,7 +83,8 @@ def test_greedy_outputs_with_speculation_equal_plain_outputs(tiny_model, engine_
 
 def test_uniform_verify_steps_pad_every_decode_to_k_drafts(tiny_qwen3):
     """With CUDA graphs (uniform, forced here) every decoding row of a speculative step verifies
-    exactly k drafts, save near max_tokens; the tokens stay the plain engine's."""
+    exactly k drafts: where one cannot (near its max_tokens, or with a penalty) none does, so that
+    no step runs eagerly; the tokens stay the plain engine's."""
     path, _ = tiny_qwen3
     prompts, k, max_tokens = repetitive_prompts() + random_prompts([7, 23], seed=3), NGRAM["num_speculative_tokens"], 40
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -96,7 +97,13 @@ def test_uniform_verify_steps_pad_every_decode_to_k_drafts(tiny_qwen3):
     assert outputs(spec, prompts, params) == outputs(LLM(path, **ARGS), prompts, params)
     verify_steps = [step for step in steps if step]
     assert len(verify_steps) > 10
-    assert all(n == 1 + k or done > max_tokens - 2 * k - 2 for step in verify_steps for n, done in step)
+    assert all(n == 1 + k for step in verify_steps for n, _ in step)
+    steps.clear()
+    penalised = [params] * (len(prompts) - 1) + [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                                presence_penalty=0.5)]
+    assert outputs(spec, prompts, penalised) == outputs(LLM(path, **ARGS), prompts, penalised)
+    first = next(i for i, step in enumerate(steps) if step)  # none while the penalised one decodes
+    assert first >= 10 and all(n == 1 + k for step in steps if step for n, _ in step)
 
 
 def test_stops_max_tokens_and_logprobs_inside_accepted_runs(tiny_qwen3):
@@ -279,8 +286,8 @@ def tf32_greedy(hf_model, prompt, tokens) -> bool:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_verify_steps_replay_cuda_graphs_and_keep_greedy_tokens(tiny_qwen3):
     """On the GPU the graphs of q_len 1 + k are captured (up to disable_by_batch_size sequences) and
-    replayed by speculative steps, n-gram and replayed drafts alike; their tokens are greedy (up to
-    TF32 near-ties) and mostly the plain engine's."""
+    replayed by speculative steps, n-gram and replayed drafts alike; n-gram's tokens are greedy (up
+    to TF32 near-ties) and mostly the plain engine's; the replayed drafts' acceptance is the chosen one."""
     path, hf_model = tiny_qwen3
     args = dict(device="cuda", dtype="float32", max_model_len=256, gpu_memory_utilization=0.3, kvcache_block_size=16)
     prompts = repetitive_prompts() + random_prompts([9, 30], seed=4)
@@ -295,11 +302,17 @@ def test_gpu_verify_steps_replay_cuda_graphs_and_keep_greedy_tokens(tiny_qwen3):
         assert max(b for b, q in graph_runner.graphs if q == q_len) == most
         replayed, replay = [], graph_runner.replay
         # on the instance, not through monkeypatch, whose undo list would keep the engine's GPU memory
-        graph_runner.replay = lambda key, *a: replayed.append(key) or replay(key, *a)
+        graph_runner.replay = lambda key, *a, replay=replay: replayed.append(key) or replay(key, *a)
+        del graph_runner, replay  # spec's references are then the engine's last ones
         for _ in range(1 if config is NGRAM else 2):  # replay: the first run records
             ours = outputs(spec, prompts, params)
-        assert all(tf32_greedy(hf_model, p, o[0][0]) for p, o in zip(prompts, ours))
-        assert sum(a == b for a, b in zip(ours, expected)) >= len(prompts) // 2
+        if config is NGRAM:
+            assert all(tf32_greedy(hf_model, p, o[0][0]) for p, o in zip(prompts, ours))
+            assert sum(a == b for a, b in zip(ours, expected)) >= len(prompts) // 2
+        else:  # forced acceptance: 0.7 per draft over 5 prompts x ~10 verify runs
+            assert abs(spec.engine.spec_metrics.acceptance_rates()[0] - 0.7) < 0.25
         assert sum(q == q_len for _, q in replayed) > 10 and num_accepted(spec) > 0
         assert spec.engine.block_manager.num_free_blocks == spec.engine.model_runner.num_kvcache_blocks
         del spec
+    gc.collect()  # the replay wrapper made a cycle: the next test's engine needs this one's memory back
+    torch.cuda.empty_cache()

@@ -153,20 +153,26 @@ class EngineCore(EngineBase):
         with logits processors, whose state follows one sampled row per sequence: penalties,
         structured outputs' grammar matcher, ...).
         ValueError, nothing taken, for ids outside the vocabulary or a sequence with drafts already."""
-        cfg, sp = self.config, seq.sampling_params
-        vocab_size = cfg.hf_config.vocab_size
+        vocab_size = self.config.hf_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab_size for t in draft_token_ids):
             raise ValueError(f"draft token ids must be integers in [0, {vocab_size}), got {draft_token_ids!r}")
         if seq.seq_id in self.scheduler.drafts:
             raise ValueError(f"sequence {seq.seq_id} already has draft tokens for its next step")
-        limit = cfg.max_model_len if sp.max_tokens is None else min(cfg.max_model_len,
-                                                                     seq.num_prompt_tokens + sp.max_tokens)
-        room = min(limit - len(seq) - 2, cfg.max_num_batched_tokens - 1)  # after the run, one token to go at least
-        if (seq.status != SequenceStatus.RUNNING or seq.num_computed_tokens != len(seq) - 1 or sp.needs_processing
-                or room <= 0 or not draft_token_ids):
+        room = self.draft_room(seq)
+        if room <= 0 or not draft_token_ids:
             return 0
         self.scheduler.drafts[seq.seq_id] = taken = list(draft_token_ids[:room])
         return len(taken)
+
+    def draft_room(self, seq: Sequence) -> int:
+        """How many drafts seq can verify in its next step (add_draft_tokens takes at most this many);
+        0 or less where it can take none."""
+        cfg, sp = self.config, seq.sampling_params
+        if seq.status != SequenceStatus.RUNNING or seq.num_computed_tokens != len(seq) - 1 or sp.needs_processing:
+            return 0
+        limit = cfg.max_model_len if sp.max_tokens is None else min(cfg.max_model_len,
+                                                                     seq.num_prompt_tokens + sp.max_tokens)
+        return min(limit - len(seq) - 2, cfg.max_num_batched_tokens - 1)  # after the run, one token to go at least
 
     def _after_launch(self, launched: LaunchedStep) -> tuple[LaunchedStep, list[int]]:
         """One PLACEHOLDER per sampled row (a verify run's: one per position, in order);
@@ -239,9 +245,13 @@ class EngineCore(EngineBase):
         sequence, which are marked stale. The tokens kept then fill in as every row's, stops included.
         Each run checked counts in spec_metrics."""
         cut = set()
+        forced_acceptance = self.speculator.proposer.forced_acceptance if self.speculator else lambda seq: None
         for seq, first, drafts in runs:
             if seq.is_finished or positions[first] >= len(seq.token_ids):
                 continue  # finished, or a stale run (it followed tokens cut since)
+            if (forced := forced_acceptance(seq)) is not None:  # synthetic: the drafts stand for the target's tokens
+                forced = min(forced, len(drafts))
+                tokens[first:first + forced] = drafts[:forced]
             for j, draft in enumerate(drafts):
                 if tokens[first + j] != draft:
                     pos = positions[first + j]

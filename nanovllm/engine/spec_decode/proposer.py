@@ -12,6 +12,12 @@ class Proposer:
         last token; [] for none."""
         raise NotImplementedError
 
+    def forced_acceptance(self, seq: Sequence) -> int | None:
+        """How many of the drafts that seq verified in its last step count as accepted whatever the
+        target sampled at their positions: None, the target decides (every real proposer's
+        answer; the synthetic replay proposer's is its own, replay.py)."""
+        return None
+
     def finished(self, seq: Sequence) -> None:
         """`seq` is finished and its tokens are final; nothing by default."""
 

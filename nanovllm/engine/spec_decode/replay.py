@@ -9,15 +9,19 @@ class ReplayProposer(Proposer):
     """speculative_config {"method": "replay", "acceptance_rate": a, "num_speculative_tokens": k}:
     replays the completion that this engine gave the same prompt in an earlier greedy run (recorded
     when that sequence finished: the longest), each draft token kept with probability a and otherwise replaced
-    by another token. Under greedy decoding a draft is then accepted with probability a while the
-    run follows its record (a[i] = E[tokens accepted at position i] = a^(i+1)): SYNTHETIC acceptance,
-    to time verify steps at a controlled acceptance (bench.py) with any weights. A sequence whose
-    prompt has no record, or whose run has left its record, gets no useful drafts."""
+    by another token, and the kept drafts before the first replaced one are accepted whatever the
+    target samples there (forced_acceptance; the target's token follows them): a[i] = E[tokens
+    accepted at position i] = a^(i+1). SYNTHETIC acceptance, to time verify steps at a controlled
+    acceptance (bench.py) with any weights: random bf16 weights have near-tied logits, so a verify
+    step's argmax leaves a decode step's record within a few dozen tokens, after which a replay
+    without forcing would be all but rejected. While a run follows its record (float32, CPU) the
+    forced drafts are the target's own greedy tokens; a prompt without a record gets no drafts."""
 
     def __init__(self, spec, vocab_size: int, seed: int):
         self.k, self.rate, self.vocab_size = spec.num_speculative_tokens, spec.acceptance_rate, vocab_size
         self.rng = np.random.default_rng(seed)
         self.records: dict[tuple[int, ...], list[int]] = {}  # prompt -> recorded greedy completion
+        self.kept: dict[int, int] = {}  # seq_id -> its last proposal's drafts before the first replaced one
 
     def propose(self, seqs: list[Sequence]) -> list[list[int]]:
         drafts = []
@@ -30,8 +34,12 @@ class ReplayProposer(Proposer):
             run = np.array(record[done:done + self.k], np.int64)
             wrong = self.rng.random(run.size) >= self.rate
             run[wrong] = (run[wrong] + self.rng.integers(1, self.vocab_size, int(wrong.sum()))) % self.vocab_size
+            self.kept[seq.seq_id] = int(wrong.argmax()) if wrong.any() else run.size
             drafts.append(run.tolist())
         return drafts
+
+    def forced_acceptance(self, seq: Sequence) -> int | None:
+        return self.kept.pop(seq.seq_id, None)
 
     def finished(self, seq: Sequence) -> None:
         """Record a finished greedy completion, unless a longer one of its prompt is recorded (greedy
@@ -40,3 +48,4 @@ class ReplayProposer(Proposer):
         if (seq.sampling_params.temperature == 0 and seq.finish_reason != "abort"
                 and seq.num_completion_tokens > len(self.records.get(prompt, ()))):
             self.records[prompt] = seq.completion_token_ids
+        self.kept.pop(seq.seq_id, None)

@@ -27,11 +27,14 @@ class Speculator:
     then found a few tokens late, and free text costs the sync on a few steps in MAX_IDLE_SKIP + 1.
 
     uniform (the model runner has CUDA graphs, captured per (batch size, q_len)): in a step where
-    some sequence has drafts, every decoding sequence that can verify gets exactly k, so that a
-    step of decodes is uniform (q_len 1 + k) and replays a graph rather than running eagerly: a
-    short proposal repeats itself (an n-gram's continuation that reaches the end of the sequence
-    is a period of it), an empty one is the last token k times. At the batch sizes that speculate
-    the extra rows cost little: a decode step's time is the weights' read."""
+    some sequence has drafts, every decoding sequence gets exactly k, so that a step of decodes is
+    uniform (q_len 1 + k) and replays a graph rather than running eagerly: a short proposal repeats
+    itself (an n-gram's continuation that reaches the end of the sequence is a period of it), an
+    empty one is the last token k times. At the batch sizes that speculate the extra rows cost
+    little: a decode step's time is the weights' read. Where some decoding sequence cannot take k
+    (within k + 2 tokens of its max_tokens, or with logits processors: EngineCore.draft_room), no
+    sequence gets drafts that step: an eager step of a model's every kernel costs more than the
+    drafts would win (a batch's every sequence passes its last k tokens so)."""
 
     def __init__(self, config, proposer: Proposer, metrics: SpecDecodeMetrics, uniform: bool = False):
         self.spec, self.uniform = config.speculative_config, uniform
@@ -54,9 +57,10 @@ class Speculator:
     def propose(self, engine) -> None:
         """Give each decoding sequence that can verify drafts (EngineCore.add_draft_tokens says which)
         the proposer's drafts."""
-        seqs = [seq for seq in engine.scheduler.running
-                if seq.num_computed_tokens == len(seq) - 1 and not seq.sampling_params.needs_processing]
-        if not seqs:
+        decoding = [seq for seq in engine.scheduler.running if seq.num_computed_tokens == len(seq) - 1]
+        seqs = [seq for seq in decoding if not seq.sampling_params.needs_processing]
+        if not seqs or (self.uniform and (len(seqs) < len(decoding) or any(
+                engine.draft_room(seq) < self.spec.num_speculative_tokens for seq in seqs))):
             return
         start = time.perf_counter()
         drafts = self.proposer.propose(seqs)
