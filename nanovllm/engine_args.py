@@ -23,7 +23,8 @@ class SpeculativeConfig:
     """speculative_config resolved (vLLM's keys and defaults). method: "ngram" (prompt lookup),
     "draft_model" (inferred when `model` is given) or "replay" (testing and benchmarks only: the
     engine's own earlier greedy run of the same prompt, each draft token kept with probability
-    acceptance_rate, else replaced: synthetic acceptance). num_speculative_tokens: k >= 1 drafts a
+    acceptance_rate, else replaced, and the kept ones before the first replaced one accepted:
+    synthetic acceptance). num_speculative_tokens: k >= 1 drafts a
     sequence verifies per step. prompt_lookup_max/min: the longest and shortest suffix n-gram the
     n-gram proposer looks up (vLLM: both 5 when neither is given, one when only the other is).
     disable_by_batch_size: no speculation in a step while more requests than this are unfinished
