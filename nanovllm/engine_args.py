@@ -220,9 +220,6 @@ class EngineArgs:
         if spec.num_speculative_tokens >= self.max_num_batched_tokens:
             raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} leaves no room in "
                              f"a step of max_num_batched_tokens={self.max_num_batched_tokens}")
-        if spec.method == "draft_model" and self.tensor_parallel_size > 1:
-            raise ValueError("speculative_config method \"draft_model\" does not combine with tensor parallelism yet "
-                             "(tensor_parallel_size > 1); use \"ngram\" there")
 
     def _validate_structured_outputs_config(self):
         config = self.structured_outputs_config

@@ -38,7 +38,9 @@ def draft_config(config: Config) -> Config:
 class DraftModelProposer(Proposer):
     """vLLM's "draft_model" method: speculative_config {"model": draft, "num_speculative_tokens": k}.
     The draft model runs in a ModelRunner of its own (its weights, paged KV pool and CUDA graphs;
-    built before the target's, so that the target's KV cache is sized from what is left). Each
+    built before the target's, so that the target's KV cache is sized from what is left; one rank,
+    rank 0's device, also beside a tensor-parallel target, whose ranks then size their KV caches
+    by rank 0's room). Each
     sequence that speculates has a shadow sequence there: its tokens, with the draft's KV of
     those that are still the sequence's (after a verify step the rejected drafts' KV is truncated).
     A proposal is k steps of the draft: the first runs the tokens it has not computed yet (the
