@@ -234,6 +234,7 @@ def run_nanovllm(args, prompts, max_tokens):
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        gpu_memory_utilization=args.gpu_memory_utilization, attention_backend=args.attention_backend,
                        kvcache_block_size=args.kvcache_block_size, tensor_parallel_size=args.tensor_parallel_size,
+                       enable_expert_parallel=args.enable_expert_parallel,
                        data_parallel_size=args.data_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
                        quantization=args.quantization, speculative_config=args.speculative_config,
                        structured_outputs_config={"backend": args.structured_backend})
@@ -431,6 +432,8 @@ def main():
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights (and GEMMs)")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tp > 1, place mixture-of-experts layers' experts whole on the GPUs")
     p.add_argument("--data-parallel-size", "--dp", type=int, default=1)
     p.add_argument("--logprobs", type=int, default=None, help="return this many top logprobs per token")
     p.add_argument("--flat-logprobs", action="store_true",

@@ -107,6 +107,9 @@ class EngineArgs:
     load_format: "auto", "safetensors", "gguf", "dummy" (random weights). attention_backend: "auto"
     (Triton on CUDA, torch otherwise), "triton", "torch". seed: seeds dummy weights and unseeded
     sampling. tensor_parallel_size: GPUs (or CPU processes) one model is split across.
+    enable_expert_parallel: with tensor_parallel_size > 1, a mixture-of-experts layer's experts are
+    placed whole on the ranks (num_experts / tensor_parallel_size each) rather than each expert's
+    intermediate dimension split over them (vLLM's name); attention and dense layers stay split.
     data_parallel_size: engine replicas, each on its own tensor_parallel_size GPUs, that share the
     prompts of a generate call. generation_config: "auto" (the model's generation_config.json gives
     the default SamplingParams' temperature, top_p, top_k, min_p, repetition_penalty, and its
@@ -125,7 +128,7 @@ class EngineArgs:
     speculative_config: speculative decoding (vLLM's dict, SpeculativeConfig's keys), e.g.
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     or {"model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 4}; None: off. Not with LoRA or data
-    parallelism yet, a draft model not with tensor parallelism.
+    parallelism yet; beside a tensor-parallel target a draft model runs whole on rank 0.
     structured_outputs_config: {"backend": "auto" | "guidance" | "xgrammar"}, the grammar library
     behind SamplingParams.structured_outputs: "guidance" (llguidance), "xgrammar", or "auto"
     (llguidance when installed, else xgrammar; nanovllm/sampling/structured says why).
@@ -148,6 +151,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     data_parallel_size: int = 1
     generation_config: str = "auto"
     logprobs_mode: str = "raw_logprobs"
@@ -177,7 +181,7 @@ class EngineArgs:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {self.max_logprobs!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        for name in ("trust_remote_code", "enable_lora"):
+        for name in ("trust_remote_code", "enable_lora", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         cpu_loras = self.max_cpu_loras

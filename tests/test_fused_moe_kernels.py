@@ -158,3 +158,29 @@ def test_fused_experts_and_the_torch_path(num_tokens):
             out = run(x, w13, w2, weights, ids, *scales)
             assert out.shape == x.shape and out.dtype == x.dtype
             assert_close(out, out_ref, out_abs, torch.float32, 48 + 24 + 2)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_expert_parallel_ranks_skip_the_others_experts(case):
+    """Expert parallelism: each of two ranks holds a block of the experts (FusedMoE's expert_map:
+    -1 for the other's). Each rank's output, on both paths, is the reference with the other's
+    pairs weighted 0, poisoned outputs first; the torch path's too; the ranks' sum is the whole."""
+    num_tokens, num_experts, top_k, hidden, inter = case
+    dtype = torch.float32
+    x, w13, w2, scales, weights, ids = problem(*case, dtype, seed=3)
+    _, _, whole, whole_abs = reference(x, w13, w2, scales, weights, ids)
+    configs = ([PAIRS] if num_tokens <= 3 else []) + SORTED
+    total = torch.zeros_like(whole)
+    for first, last in ((0, num_experts // 2), (num_experts // 2, num_experts)):
+        expert_map = torch.full((num_experts,), -1, dtype=torch.int32, device=DEVICE)
+        expert_map[first:last] = torch.arange(last - first, dtype=torch.int32, device=DEVICE)
+        mine = (ids >= first) & (ids < last)
+        _, _, want, want_abs = reference(x, w13, w2, scales, weights * mine, ids)
+        for config in configs:
+            out = poisoned(num_tokens, hidden, dtype=dtype)
+            fused_experts(x, w13[first:last], w2[first:last], weights, ids, out=out, expert_map=expert_map, config=config)
+            assert_close(out, want, want_abs, dtype, hidden + inter + top_k)
+        out = torch_experts(x, w13[first:last], w2[first:last], weights, ids, expert_map=expert_map)
+        assert_close(out, want, want_abs, dtype, hidden + inter + top_k)
+        total += out.double()
+    assert_close(total, whole, whole_abs, dtype, hidden + inter + top_k + 1)

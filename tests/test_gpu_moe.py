@@ -52,8 +52,8 @@ def qwen3_30b_a3b_2_layers(tmp_path_factory):
 
 @pytest.mark.parametrize("engine_args", [
     dict(), dict(enforce_eager=True), dict(max_num_batched_tokens=512, kvcache_block_size=16),
-    dict(quantization="fp8"), dict(tensor_parallel_size=2)],
-    ids=["graphs", "eager", "chunked-block16", "fp8", "tp2"])
+    dict(quantization="fp8"), dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True)],
+    ids=["graphs", "eager", "chunked-block16", "fp8", "tp2", "ep2"])
 def test_greedy_matches_transformers(qwen3_30b_a3b_2_layers, engine_args):
     """The engine's greedy tokens on mixed batches with prefix hits: each within twice bf16's own
     error (transformers' bf16 logits against its float32 logits) of the float32 model's argmax,

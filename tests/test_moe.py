@@ -171,8 +171,9 @@ def test_checkpoint_errors_name_the_expert(tmp_path_factory, tmp_path):
 
 
 def test_config_checks(tmp_path_factory, tmp_path):
-    """A tensor_parallel_size that does not split the experts' intermediate size, and Mixtral's
-    sliding window, are refused before anything is built."""
+    """A tensor_parallel_size that does not split the experts' intermediate size (or, with
+    expert parallelism, their count), and Mixtral's sliding window, are refused before anything
+    is built."""
     from tests.test_reliability import copy_model
     for arch, edit, error in [
             ("qwen3_moe_step2", {"moe_intermediate_size": 42},  # 4 heads, 2 KV heads, 96 split over 4; 42 does not
@@ -185,6 +186,9 @@ def test_config_checks(tmp_path_factory, tmp_path):
             json.dump({**config, **edit}, f)
         with pytest.raises(ValueError, match=error):
             LLM(str(path), device="cpu", tensor_parallel_size=4 if "qwen" in arch else 1)
+    path = make_tiny_model("mixtral", tmp_path_factory)[0]  # 4 heads, 6 experts
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not split this model: .*num_experts=6"):
+        LLM(path, device="cpu", tensor_parallel_size=4, enable_expert_parallel=True)
 
 
 def test_fp8_experts_match_a_fake_quantized_transformers(tmp_path_factory):
@@ -273,4 +277,24 @@ def test_tensor_parallel_matches_one_rank(tmp_path_factory):
     llm = LLM(path, tensor_parallel_size=2, **ARGS)
     assert completions(llm, prompts) == expected
     assert completions(llm, prompts[::-1]) == expected[::-1]
+    check_against_hf(llm, hf_model, prompts[:3])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_expert_parallel_matches_one_rank(arch, tmp_path_factory):
+    """enable_expert_parallel with TP=2 over gloo: each rank holds half of the experts whole (the
+    attention and dense layers split as with TP), the other rank's pairs skipped; greedy tokens
+    equal one rank's, with chunked prefill and prefix hits, and transformers'."""
+    from nanovllm.layers.fused_moe import FusedMoE
+    from tests.test_parallel import ARGS, completions, workload
+    path, hf_model = make_tiny_model(arch, tmp_path_factory)
+    prompts = workload()
+    expected = completions(LLM(path, **ARGS), prompts)
+    llm = LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, **ARGS)
+    experts = [m for m in llm.engine.model_runner.model.modules() if isinstance(m, FusedMoE)]  # rank 0's
+    num_experts = hf_model.config.num_experts
+    assert experts and all(m.w13_weight.size(0) == num_experts // 2 and m.first_expert == 0 and
+                           m.intermediate_size == m.w2_weight.size(2) == hf_model.config.to_dict().get(
+                               "moe_intermediate_size", hf_model.config.intermediate_size) for m in experts)
+    assert completions(llm, prompts) == expected
     check_against_hf(llm, hf_model, prompts[:3])

@@ -99,7 +99,8 @@ class ModelRunner:
                 self.graph_runner.capture()
 
     def _build_model(self):
-        cls, tp = model_class(self.hf_config), TensorParallel(self.rank, self.world_size, self.tp_group)
+        cls, tp = model_class(self.hf_config), TensorParallel(self.rank, self.world_size, self.tp_group,
+                                                                   self.config.enable_expert_parallel)
         torch.manual_seed(self.config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)

@@ -17,6 +17,10 @@ expert's weights once per tile. The down GEMM multiplies each pair's routing wei
 row; a sum over each token's top_k rows ends it. Programs of tiles past the padded count return
 at once, so the grid is sized by the token count alone and CUDA graphs capture it.
 
+Expert parallelism: a pair whose expert id is -1 (another rank's expert: FusedMoE's expert_map)
+is skipped by both paths, its product taken as 0: the pair kernels return or skip it, the sorted
+layout leaves it out of every tile (it sorts before expert 0).
+
 Weights: w13 [E, 2N, H] ([gate | up] rows of each expert, N = this rank's share of the expert's
 intermediate size) and w2 [E, H, N], in the model dtype, or float8 e4m3 with a float32 scale per
 output row (w13_scale [E, 2N], w2_scale [E, H]) widened to the activations' dtype in registers.
@@ -88,10 +92,13 @@ def moe_gate_up_pairs_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, N, K, TOP_
                              HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Grid (num_pairs, cdiv(N, BLOCK_N)): h[p, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]) for
     pair p = t * TOP_K + j of expert e = ids[p], over this program's BLOCK_N columns n; x [T, K],
-    w [E, 2N, K], h [num_pairs, N]; products summed in float32 (as a GEMV: one row)."""
+    w [E, 2N, K], h [num_pairs, N]; products summed in float32 (as a GEMV: one row). A pair of
+    expert -1 is skipped (its row of h is left as it was: down_pairs does not read it)."""
     pdl_start(PDL)
     pair, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if expert < 0:
+        return
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (pair // TOP_K).to(tl.int64) * K + rk
@@ -115,8 +122,8 @@ def moe_down_pairs_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr
                           TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           PDL: tl.constexpr):
     """Grid (T, cdiv(N, BLOCK_N)): out[t, n] = sum_j weights[t, j] * (h[t * TOP_K + j] . down_e[n])
-    for e = ids[t, j]; h [T * TOP_K, K], w [E, N, K], out [T, N] (rows out_stride apart), all
-    sums in float32, the top-k sum in a fixed order."""
+    for e = ids[t, j] (pairs of expert -1 skipped); h [T * TOP_K, K], w [E, N, K], out [T, N]
+    (rows out_stride apart), all sums in float32, the top-k sum in a fixed order."""
     pdl_start(PDL)
     token, pid_n = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,16 +132,17 @@ def moe_down_pairs_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr
     for j in tl.static_range(TOP_K):
         pair = token.to(tl.int64) * TOP_K + j
         expert = tl.load(ids_ptr + pair).to(tl.int64)
-        w_ptrs = w_ptr + expert * N * K + rn[:, None] * K + rk[None, :]
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k in range(0, K, BLOCK_K):
-            h = tl.load(h_ptr + pair * K + k + rk, mask=rk + k < K, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs + k, mask=(rn[:, None] < N) & (rk[None, :] + k < K), other=0.0).to(tl.float32)
-            acc += w * h[None, :]
-        y = tl.sum(acc, 1)
-        if HAS_SCALE:
-            y *= tl.load(scale_ptr + expert * N + rn, mask=rn < N, other=0.0)
-        total += y * tl.load(weights_ptr + pair)
+        if expert >= 0:
+            w_ptrs = w_ptr + expert * N * K + rn[:, None] * K + rk[None, :]
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            for k in range(0, K, BLOCK_K):
+                h = tl.load(h_ptr + pair * K + k + rk, mask=rk + k < K, other=0.0).to(tl.float32)
+                w = tl.load(w_ptrs + k, mask=(rn[:, None] < N) & (rk[None, :] + k < K), other=0.0).to(tl.float32)
+                acc += w * h[None, :]
+            y = tl.sum(acc, 1)
+            if HAS_SCALE:
+                y *= tl.load(scale_ptr + expert * N + rn, mask=rn < N, other=0.0)
+            total += y * tl.load(weights_ptr + pair)
     tl.store(out_ptr + token.to(tl.int64) * out_stride + rn, total.to(out_ptr.dtype.element_ty), mask=rn < N)
 
 
@@ -272,15 +280,21 @@ def down_sorted(h, w2, w2_scale, topk_weights, align, config: MoEConfig, out=Non
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None, config: MoEConfig | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, expert_map: torch.Tensor | None = None,
+                  config: MoEConfig | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])) for e = topk_ids[t, j]:
     x [T, H] (bf16, fp16 or float32, contiguous); w13 [E, 2N, H], w2 [E, H, N] in x's dtype, or
     float8 e4m3 with w13_scale [E, 2N] and w2_scale [E, H] float32; topk_weights [T, k] float32,
-    topk_ids [T, k] int32 (moe_routing.moe_topk's output). Returns [T, H] in x's dtype, written to
-    out when given (rows may be strided: a tensor-parallel partial-sums buffer). config: the path
-    and tiles (default_config(T, k, E, fp8) when None)."""
+    topk_ids [T, k] int32 (moe_routing.moe_topk's output). expert_map: with expert parallelism,
+    [num_experts] int32, each id's expert in w13/w2 or -1 (another rank's: its pairs count 0).
+    Returns [T, H] in x's dtype, written to out when given (rows may be strided: a
+    tensor-parallel partial-sums buffer). config: the path and tiles (default_config(T, k,
+    num_experts, fp8) when None)."""
     num_tokens, hidden = x.shape
-    config = config or default_config(num_tokens, topk_ids.size(1), w13.size(0), w13_scale is not None)
+    if expert_map is not None:
+        topk_ids = expert_map[topk_ids]
+    num_experts = w13.size(0) if expert_map is None else expert_map.numel()  # pairs per expert: of all experts
+    config = config or default_config(num_tokens, topk_ids.size(1), num_experts, w13_scale is not None)
     out = out if out is not None else torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
@@ -289,5 +303,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         return down_pairs(h, w2, w2_scale, topk_ids, topk_weights, out, config)
     align = moe_align_block_size(topk_ids, w13.size(0), config.block_m)
     h = gate_up_sorted(x, w13, w13_scale, topk_ids, align, config)
-    y = down_sorted(h, w2, w2_scale, topk_weights, align, config)
+    skipped = None if expert_map is None else torch.zeros(topk_ids.numel(), hidden, dtype=x.dtype, device=x.device)
+    y = down_sorted(h, w2, w2_scale, topk_weights, align, config, out=skipped)  # skipped pairs' rows stay 0
     return torch.sum(y.view(num_tokens, topk_ids.size(1), hidden), 1, out=out)

@@ -90,7 +90,8 @@ def max_padded_slots(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
                          block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """topk_ids [num_tokens, top_k] (int32 or int64, each in [0, num_experts)) -> (sorted_ids
+    """topk_ids [num_tokens, top_k] (int32 or int64, each in [0, num_experts), or -1 for a pair
+    to leave out: expert parallelism's other ranks' experts) -> (sorted_ids
     [max_padded_slots] int32: the pairs expert by expert, each expert's run padded to a multiple
     of block_m with num_pairs; expert_ids [max_padded_slots / block_m] int32: each tile's expert;
     num_padded [1] int32: the slots in use, a multiple of block_m). Slots and tiles past

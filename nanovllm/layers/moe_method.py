@@ -29,9 +29,10 @@ class MoEMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               out: torch.Tensor | None = None) -> torch.Tensor:
         """The routing-weighted sum of each token's experts' SwiGLU outputs: x [T, H] -> [T, H] in x's
-        dtype (written to out when given); topk_weights [T, k] float32, topk_ids [T, k] int32."""
+        dtype (written to out when given); topk_weights [T, k] float32, topk_ids [T, k] int32
+        (ids of all num_experts: layer.expert_map, if any, takes them to this rank's)."""
         args = (x.contiguous(), layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.w13_weight_scale,
-                layer.w2_weight_scale, out)
+                layer.w2_weight_scale, out, layer.expert_map)
         if uses_kernels(x):
             from nanovllm.kernels.fused_moe import fused_experts  # Triton: imported only where it runs
             return fused_experts(*args)
@@ -67,13 +68,17 @@ MOE_METHODS = {None: MoEMethod, "fp8": Fp8MoEMethod}
 
 def torch_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, expert_map: torch.Tensor | None = None) -> torch.Tensor:
     """fused_experts' result (same arguments) with torch ops: for each expert hit, its tokens'
     gate/up product, silu(gate) * up and down product in x's dtype (float8 weights dequantized to
     it first), weighted and summed per token in float32. Reads the routing on the host: not for
     CUDA graphs."""
+    if expert_map is not None:
+        topk_ids = expert_map[topk_ids.long()]
     acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for expert in topk_ids.unique().tolist():
+        if expert < 0:
+            continue  # another rank's
         tokens, slots = (topk_ids == expert).nonzero(as_tuple=True)
         w_gate_up, w_down = w13[expert], w2[expert]
         if w13_scale is not None:

@@ -43,11 +43,13 @@ def _targets(name: str, tensor: torch.Tensor, model: nn.Module) -> list[tuple[st
 
 
 def _expected_shards(name: str, param: nn.Parameter, model: nn.Module) -> list:
-    """The shards that fill parameter `name` (as _targets names them), in order."""
+    """The shards that fill parameter `name` (as _targets names them), in order: of a FusedMoE's
+    stacked experts, its own experts' (expert parallelism: from its first_expert on)."""
     experts = [shard_id for packed, shard_id in getattr(model, "expert_mapping", {}).values()
                if name.endswith(f".experts.{packed}")]
     if experts:
-        return [(shard_id, expert) for expert in range(param.size(0)) for shard_id in experts]
+        first = model.get_submodule(name.rpartition(".")[0]).first_expert
+        return [(shard_id, expert) for expert in range(first, first + param.size(0)) for shard_id in experts]
     return [shard for packed, shard in model.packed_modules_mapping.values() if f".{packed}." in name] or [None]
 
 

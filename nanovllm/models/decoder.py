@@ -137,12 +137,13 @@ class DecoderForCausalLM(nn.Module):
         return DecoderMLP(config, tp, quant_method)
 
     @classmethod
-    def split_sizes(cls, hf_config) -> dict[str, int]:
-        """The config's sizes that tensor parallelism splits besides the attention heads: the MLP's."""
+    def split_sizes(cls, hf_config, expert_parallel: bool = False) -> dict[str, int]:
+        """The config's sizes that tensor parallelism splits besides the attention heads: the MLP's
+        (expert_parallel: a mixture of experts' count rather than each expert's size, models/moe.py)."""
         return {"intermediate_size": hf_config.intermediate_size}
 
     @classmethod
-    def check_config(cls, hf_config, tp_size: int):
+    def check_config(cls, hf_config, tp_size: int, expert_parallel: bool = False):
         """Raise ValueError, before anything is built, for a config this class cannot serve, or
         unless the model splits evenly over tp_size ranks: query heads and every size of
         split_sizes divisible by it, and KV heads either divisible by it or dividing it (then each
@@ -150,7 +151,7 @@ class DecoderForCausalLM(nn.Module):
         if tp_size == 1:
             return
         heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-        sizes = {"num_attention_heads": heads, **cls.split_sizes(hf_config)}
+        sizes = {"num_attention_heads": heads, **cls.split_sizes(hf_config, expert_parallel)}
         if any(size % tp_size for size in sizes.values()) or (kv_heads % tp_size and tp_size % kv_heads):
             raise ValueError(f"tensor_parallel_size={tp_size} does not split this model: it needs to divide "
                              + " and ".join(f"{name}={size}" for name, size in sizes.items())

@@ -49,6 +49,15 @@ class SparseMoeBlock(nn.Module):
         return self.experts(x, topk_weights, topk_ids, out), residual
 
 
+def experts_split(hf_config, expert_size: str, expert_parallel: bool) -> dict[str, int]:
+    """What tensor parallelism splits of a mixture of experts: the experts (expert parallelism,
+    num_experts, which transformers' Mixtral config names num_local_experts too) or each expert's
+    intermediate size (the config's field expert_size)."""
+    if expert_parallel:
+        return {"num_experts": hf_config.num_experts}
+    return {expert_size: getattr(hf_config, expert_size)}
+
+
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
     """Qwen3-MoE: Qwen3's attention (q/k norms), sparse layers as decoder_sparse_step and
     mlp_only_layers say."""
@@ -68,9 +77,9 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         return DecoderMLP(config, tp, quant_method)
 
     @classmethod
-    def split_sizes(cls, hf_config):
+    def split_sizes(cls, hf_config, expert_parallel=False):
         layers = range(hf_config.num_hidden_layers)
-        sizes = {"moe_intermediate_size": hf_config.moe_intermediate_size}
+        sizes = experts_split(hf_config, "moe_intermediate_size", expert_parallel)
         if not all(cls.sparse(hf_config, i) for i in layers):
             sizes["intermediate_size"] = hf_config.intermediate_size
         return sizes
@@ -82,11 +91,15 @@ class MixtralForCausalLM(DecoderForCausalLM):
     checkpoint_renames = {".block_sparse_moe.": ".mlp."}  # its checkpoints' name for the sparse block
 
     @classmethod
-    def check_config(cls, hf_config, tp_size):
+    def check_config(cls, hf_config, tp_size, expert_parallel=False):
         if getattr(hf_config, "sliding_window", None) is not None:
             raise ValueError(f"Mixtral with sliding_window={hf_config.sliding_window} is not supported (no "
                              f"sliding-window attention here); only sliding_window=None")
-        super().check_config(hf_config, tp_size)
+        super().check_config(hf_config, tp_size, expert_parallel)
 
     def make_mlp(self, config, layer_idx, tp, quant_method):
         return SparseMoeBlock(config, config.intermediate_size, True, tp, quant_method)
+
+    @classmethod
+    def split_sizes(cls, hf_config, expert_parallel=False):
+        return experts_split(hf_config, "intermediate_size", expert_parallel)
