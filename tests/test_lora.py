@@ -264,3 +264,21 @@ def still_serves(llm, tiny):
     assert engine.scheduler.is_finished() and not engine.requests
     assert engine.block_manager.num_free_blocks == engine.model_runner.num_kvcache_blocks
     assert completions(llm, workload()[:2], requests["attn"]) == expected["attn"][:2]
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                   "prompt_lookup_max": 3},
+                                  {"model": None, "num_speculative_tokens": 3}], ids=["ngram", "draft_model"])
+def test_speculative_decoding_with_adapters(tiny, spec):
+    """Speculation beside adapters: n-gram drafts, or the base model as a draft model (it drafts
+    without adapters, the target verifies with each sequence's): greedy tokens equal those of
+    the engine without speculation, adapters and base rows mixed, some drafts accepted."""
+    path, requests, _, _ = tiny
+    spec = spec | ({"model": path} if "model" in spec else {})
+    prompts = [[5, 9, 14, 2, 77, 31] * 6, [1, 2, 3] * 10 + [8]] + workload()
+    loras = [requests[NAMES[i % 3]] if i % 4 != 3 else None for i in range(len(prompts))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = completions(LLM(path, **ARGS), prompts, loras, params)
+    llm = LLM(path, **ARGS, speculative_config=spec)
+    assert completions(llm, prompts, loras, params) == plain
+    assert llm.engine.spec_metrics.num_accepted_tokens > 10

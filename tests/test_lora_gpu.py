@@ -53,6 +53,25 @@ def test_tiny_matches_peft(tiny, enforce_eager):
                                                                               enumerate(names)]
 
 
+def test_speculative_decoding_with_adapters(tiny):
+    """The base model as a draft model (drafting without adapters) beside the tiny Qwen3's
+    adapters: verify steps replay graphs of q_len 4 with the adapters' deltas, and the tokens
+    are still transformers + peft's."""
+    path, prompts, requests, expected = tiny
+    llm = LLM(path, max_num_seqs=32, **ARGS, speculative_config={"model": path, "num_speculative_tokens": 3})
+    graph_runner, replayed = llm.engine.model_runner.graph_runner, []
+    replay = graph_runner.replay
+    graph_runner.replay = lambda key, *a, replay=replay: replayed.append(key) or replay(key, *a)
+    names = [(NAMES + [None])[i % 4] for i in range(7)]
+    assert run(llm, prompts[:7], [requests[n] if n else None for n in names]) == [expected[n][i] for i, n in
+                                                                                 enumerate(names)]
+    assert run(llm, prompts[:1], requests["all"]) == expected["all"][:1]
+    assert sum(key[1] == 4 for key in replayed) > 5 and llm.engine.spec_metrics.num_accepted_tokens > 0
+    del graph_runner, replay, llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 @pytest.fixture(scope="module")
 def qwen3_06b(tmp_path_factory):
     """Qwen3-0.6B's shapes with random float32 weights and three rank-16 PEFT adapters (all seven

@@ -83,8 +83,9 @@ def test_greedy_outputs_with_speculation_equal_plain_outputs(tiny_model, engine_
 
 def test_uniform_verify_steps_pad_every_decode_to_k_drafts(tiny_qwen3):
     """With CUDA graphs (uniform, forced here) every decoding row of a speculative step verifies
-    exactly k drafts: where one cannot (near its max_tokens, or with a penalty) none does, so that
-    no step runs eagerly; the tokens stay the plain engine's."""
+    exactly k drafts: where one cannot (near its max_tokens, or with a penalty), or the step's
+    budget cannot hold them all, none does, so that no step runs eagerly; the tokens stay the
+    plain engine's."""
     path, _ = tiny_qwen3
     prompts, k, max_tokens = repetitive_prompts() + random_prompts([7, 23], seed=3), NGRAM["num_speculative_tokens"], 40
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -104,6 +105,10 @@ def test_uniform_verify_steps_pad_every_decode_to_k_drafts(tiny_qwen3):
     assert outputs(spec, prompts, penalised) == outputs(LLM(path, **ARGS), prompts, penalised)
     first = next(i for i, step in enumerate(steps) if step)  # none while the penalised one decodes
     assert first >= 10 and all(n == 1 + k for step in steps if step for n, _ in step)
+    steps.clear()
+    spec.engine.speculator.budget = len(prompts) * (1 + k) - 1  # five sequences' verify runs do not fit
+    assert outputs(spec, prompts, params) == outputs(LLM(path, **ARGS), prompts, params)
+    assert not any(steps)
 
 
 def test_stops_max_tokens_and_logprobs_inside_accepted_runs(tiny_qwen3):
@@ -266,11 +271,9 @@ def test_bad_speculative_config_fails_up_front(tiny_qwen3, spec, error):
         LLM(tiny_qwen3[0], **ARGS, max_num_batched_tokens=64, speculative_config=spec)
 
 
-@pytest.mark.parametrize("args,error", [({"enable_lora": True}, "enable_lora"),
-                                        ({"data_parallel_size": 2}, "data parallelism")])
-def test_what_does_not_combine_yet_fails_up_front(tiny_qwen3, args, error):
-    with pytest.raises(ValueError, match=error):
-        LLM(tiny_qwen3[0], **ARGS, **args, speculative_config=NGRAM)
+def test_what_does_not_combine_yet_fails_up_front(tiny_qwen3):
+    with pytest.raises(ValueError, match="data parallelism"):
+        LLM(tiny_qwen3[0], **ARGS, data_parallel_size=2, speculative_config=NGRAM)
 
 
 def tf32_greedy(hf_model, prompt, tokens) -> bool:

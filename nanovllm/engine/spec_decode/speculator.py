@@ -32,12 +32,13 @@ class Speculator:
     itself (an n-gram's continuation that reaches the end of the sequence is a period of it), an
     empty one is the last token k times. At the batch sizes that speculate the extra rows cost
     little: a decode step's time is the weights' read. Where some decoding sequence cannot take k
-    (within k + 2 tokens of its max_tokens, or with logits processors: EngineCore.draft_room), no
-    sequence gets drafts that step: an eager step of a model's every kernel costs more than the
-    drafts would win (a batch's every sequence passes its last k tokens so)."""
+    (within k + 2 tokens of its max_tokens, or with logits processors: EngineCore.draft_room), or
+    the step's budget (max_num_batched_tokens) cannot hold 1 + k tokens for each, no sequence gets
+    drafts that step: an eager step of a model's every kernel costs more than the drafts would
+    win (a batch's every sequence passes its last k tokens so)."""
 
     def __init__(self, config, proposer: Proposer, metrics: SpecDecodeMetrics, uniform: bool = False):
-        self.spec, self.uniform = config.speculative_config, uniform
+        self.spec, self.uniform, self.budget = config.speculative_config, uniform, config.max_num_batched_tokens
         self.proposer = proposer
         self.metrics = metrics
         self.max_idle_skip = MAX_IDLE_SKIP
@@ -59,8 +60,9 @@ class Speculator:
         the proposer's drafts."""
         decoding = [seq for seq in engine.scheduler.running if seq.num_computed_tokens == len(seq) - 1]
         seqs = [seq for seq in decoding if not seq.sampling_params.needs_processing]
-        if not seqs or (self.uniform and (len(seqs) < len(decoding) or any(
-                engine.draft_room(seq) < self.spec.num_speculative_tokens for seq in seqs))):
+        k = self.spec.num_speculative_tokens
+        if not seqs or (self.uniform and (len(seqs) < len(decoding) or (1 + k) * len(seqs) > self.budget or any(
+                engine.draft_room(seq) < k for seq in seqs))):
             return
         start = time.perf_counter()
         drafts = self.proposer.propose(seqs)
@@ -70,7 +72,6 @@ class Speculator:
             return
         self._idle = 0
         if self.uniform:
-            k = self.spec.num_speculative_tokens
             drafts = [(draft * k)[:k] if draft else [seq.token_ids[-1]] * k for seq, draft in zip(seqs, drafts)]
         for seq, draft in zip(seqs, drafts):
             if draft:
