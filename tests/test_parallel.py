@@ -112,17 +112,19 @@ def test_router_balances_kv_reads():
     assert sent == {0: ["long output"], 1: ["middle", "long prompt"]}
 
 
-def test_data_parallel_with_tensor_parallel(tiny_qwen3):
+def test_data_parallel_with_tensor_parallel(tiny_qwen3, tmp_path, monkeypatch):
     prompts = workload()
     expected = completions(LLM(tiny_qwen3[0], **ARGS), prompts)
-    stores_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "nanovllm-tp-*")))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the replicas' stores, apart from other runs' (spawned: they read it)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     llm = LLM(tiny_qwen3[0], data_parallel_size=2, tensor_parallel_size=2, **ARGS)
     assert completions(llm, prompts) == expected
+    assert glob.glob(os.path.join(tmp_path, "nanovllm-tp-*"))  # where they are
     procs = llm.engine.procs
     del llm
     gc.collect()
     assert all(p.exitcode == 0 for p in procs)
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "nanovllm-tp-*"))) == stores_before  # replicas cleaned up
+    assert not glob.glob(os.path.join(tmp_path, "nanovllm-tp-*"))  # replicas cleaned up
 
 
 def test_killed_worker_fails_generate_quickly(tiny_qwen3):
