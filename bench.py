@@ -298,8 +298,14 @@ def run_nanovllm(args, prompts, max_tokens):
 
 
 def spec_counts(llm) -> dict:
-    """The engine's speculative decoding counters now (LLM.get_metrics())."""
-    return {m.name.split(":")[1]: getattr(m, "values", getattr(m, "value", None)) for m in llm.get_metrics()}
+    """The engine's speculative decoding counters now (LLM.get_metrics(), summed over data-parallel replicas)."""
+    counts = {}
+    for m in llm.get_metrics():
+        name, value = m.name.split(":")[1], getattr(m, "values", getattr(m, "value", None))
+        if isinstance(value, list):
+            value = [a + b for a, b in zip(value, counts.get(name, [0] * len(value)))]
+        counts[name] = value if isinstance(value, list) else counts.get(name, 0) + value
+    return counts
 
 
 def spec_report(llm, spec, before: dict, seconds: float) -> dict:

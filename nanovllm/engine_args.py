@@ -127,9 +127,9 @@ class EngineArgs:
     adapters kept on the host (default max_loras, at least as many).
     speculative_config: speculative decoding (vLLM's dict, SpeculativeConfig's keys), e.g.
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    or {"model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 4}; None: off. Not with data
-    parallelism yet; beside a tensor-parallel target a draft model runs whole on rank 0, and with
-    LoRA it drafts without adapters (the target verifies with them).
+    or {"model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 4}; None: off. Beside a
+    tensor-parallel target a draft model runs whole on rank 0, and with LoRA it drafts without
+    adapters (the target verifies with them).
     structured_outputs_config: {"backend": "auto" | "guidance" | "xgrammar"}, the grammar library
     behind SamplingParams.structured_outputs: "guidance" (llguidance), "xgrammar", or "auto"
     (llguidance when installed, else xgrammar; nanovllm/sampling/structured says why).
@@ -217,9 +217,6 @@ class EngineArgs:
 
     def _validate_speculative_config(self):
         spec = SpeculativeConfig.from_dict(self.speculative_config)
-        if self.data_parallel_size > 1 or self.distributed_executor_backend == "ray":
-            raise ValueError("speculative_config does not combine with data parallelism yet (data_parallel_size > 1 "
-                             "or distributed_executor_backend=\"ray\"); use one replica")
         if spec.num_speculative_tokens >= self.max_num_batched_tokens:
             raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} leaves no room in "
                              f"a step of max_num_batched_tokens={self.max_num_batched_tokens}")

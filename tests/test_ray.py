@@ -59,6 +59,19 @@ def test_replicas_on_two_nodes_give_the_outputs_of_one_engine(cluster, tiny_qwen
     assert not replica_processes()  # the actors' processes (and their tensor-parallel children) are gone
 
 
+def test_replicas_speculate_and_report_their_metrics(cluster, tiny_qwen3):
+    from tests.test_spec_decode import NGRAM, repetitive_prompts
+    prompts = repetitive_prompts() * 2
+    expected = completions(LLM(tiny_qwen3[0], **ARGS), prompts)
+    llm = LLM(tiny_qwen3[0], data_parallel_size=2, speculative_config=NGRAM, **RAY)
+    assert completions(llm, prompts) == expected
+    accepted = {m.labels["engine"]: m.value for m in llm.get_metrics()
+                if m.name == "vllm:spec_decode_num_accepted_tokens"}
+    assert accepted.keys() == {"0", "1"} and all(n > 0 for n in accepted.values())
+    del llm  # its actors go now, not in a later test
+    gc.collect()
+
+
 def replica_processes() -> list[int]:
     """Live processes whose title Ray set to one of our actors' (ray::Replica...)."""
     pids = []

@@ -271,9 +271,16 @@ def test_bad_speculative_config_fails_up_front(tiny_qwen3, spec, error):
         LLM(tiny_qwen3[0], **ARGS, max_num_batched_tokens=64, speculative_config=spec)
 
 
-def test_what_does_not_combine_yet_fails_up_front(tiny_qwen3):
-    with pytest.raises(ValueError, match="data parallelism"):
-        LLM(tiny_qwen3[0], **ARGS, data_parallel_size=2, speculative_config=NGRAM)
+def test_data_parallel_replicas_speculate(tiny_qwen3):
+    """Each replica speculates; get_metrics() gives each replica's records labelled by its index."""
+    path, _ = tiny_qwen3
+    prompts = repetitive_prompts() * 2 + random_prompts([9, 30], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(path, **ARGS, data_parallel_size=2, speculative_config=NGRAM)
+    assert outputs(llm, prompts, params) == outputs(LLM(path, **ARGS), prompts, params)
+    accepted = {m.labels["engine"]: m.value for m in llm.get_metrics()
+                if m.name == "vllm:spec_decode_num_accepted_tokens"}
+    assert accepted.keys() == {"0", "1"} and all(n > 0 for n in accepted.values())
 
 
 def tf32_greedy(hf_model, prompt, tokens) -> bool:

@@ -26,9 +26,9 @@ REPLY_TIMEOUT_S = 600  # the longest a busy replica may stay silent (one engine 
 
 def _replica_main(config: Config, conn, parent_pid: int):
     """One replica's loop. Messages in: ("add", [(request_id, prompt, params, lora_request)]), ("abort", ids)
-    (no reply), ("abort",), ("reset_prefix_cache",), None (exit). Out: ("ready", max_model_len)
-    once; ("outputs", [RequestOutput]) after each step that reports some; ("aborted",) answers
-    every ("abort",); ("reset", ok);
+    (no reply), ("abort",), ("reset_prefix_cache",), ("metrics",), None (exit). Out: ("ready",
+    max_model_len) once; ("outputs", [RequestOutput]) after each step that reports some;
+    ("aborted",) answers every ("abort",); ("reset", ok); ("metrics", its engine's get_metrics());
     ("error", traceback) when a step fails (its requests are dropped, the replica stays up)."""
     die_with_parent(parent_pid)
     from nanovllm.executor.llm_engine import LLMEngine
@@ -48,6 +48,8 @@ def _replica_main(config: Config, conn, parent_pid: int):
                 elif message[0] == "abort":
                     engine.abort_all_requests()
                     conn.send(("aborted",))
+                elif message[0] == "metrics":
+                    conn.send(("metrics", engine.get_metrics()))
                 else:
                     conn.send(("reset", engine.reset_prefix_cache()))
                 continue
@@ -164,6 +166,13 @@ class DataParallelEngine(ReplicaRouter):
                     pass
             except (OSError, EOFError):
                 pass
+
+    def _replica_metrics(self) -> list[list]:
+        replies = []
+        for i, conn in enumerate(self.conns):
+            conn.send(("metrics",))
+            replies.append(self._receive(i)[1])
+        return replies
 
     def reset_prefix_cache(self) -> bool:
         """Empty every replica's prefix cache; False if any replica still holds blocks."""

@@ -56,6 +56,9 @@ class Replica:
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
 
+    def metrics(self) -> list:
+        return self.engine.get_metrics()
+
 
 def _stop(actors: list, placement_group):
     """Kill the actors and free their bundles (nothing to do once Ray is shut down: all went with it)."""
@@ -146,3 +149,7 @@ class RayDataParallelEngine(ReplicaRouter):
     def reset_prefix_cache(self) -> bool:
         import ray
         return all(ray.get([actor.reset_prefix_cache.remote() for actor in self._actors], timeout=REPLY_TIMEOUT_S))
+
+    def _replica_metrics(self) -> list[list]:
+        import ray
+        return ray.get([actor.metrics.remote() for actor in self._actors], timeout=REPLY_TIMEOUT_S)

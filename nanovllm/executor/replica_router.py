@@ -22,7 +22,8 @@ class ReplicaRouter(EngineBase):
     """What every data-parallel engine does in this process: validate each request once, hand it to
     the replica with the least outstanding work (see request_load; a batch's requests go largest
     first), and collect the RequestOutputs the replicas send back. Subclasses move the
-    messages: _send, _receive_outputs, _send_abort, abort_all_requests, reset_prefix_cache."""
+    messages: _send, _receive_outputs, _send_abort, abort_all_requests, reset_prefix_cache,
+    _replica_metrics (each replica's get_metrics())."""
 
     def __init__(self, config: Config, num_replicas: int):
         self.config = config
@@ -45,6 +46,12 @@ class ReplicaRouter(EngineBase):
         max_tokens = params.max_tokens or self.config.max_model_len - len(request.prompt_token_ids)
         load = request_load(len(request.prompt_token_ids), max_tokens, params.n)
         self._pending.append((request_id, prompt, params, lora_request, load))
+
+    def get_metrics(self) -> list:
+        """Every replica's metric records, each labelled {"engine": its replica's index} (vLLM's label
+        of a data-parallel engine's metrics): sum a name's records for the whole."""
+        return [replace(m, labels=m.labels | {"engine": str(i)})
+                for i, records in enumerate(self._replica_metrics()) for m in records]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending or self._owner)
