@@ -4,7 +4,8 @@
 # parallel (two GPUs: TP/DP tests, tp_smoke.py, bench.py at TP 1/2 on Qwen3-8B and DP 1/2),
 # moe (one GPU: the MoE kernel and engine tests, benchmarks/moe.py, bench.py on Qwen3-30B-A3B:
 # default workload, one sequence, one sequence with float8 weights), moe-parallel (two GPUs:
-# bench.py on Qwen3-30B-A3B at TP 1 and 2), lora (LoRA's tests, its kernels' cost per layer,
+# bench.py on Qwen3-30B-A3B at TP 1 and 2, and 2 with expert parallelism; the MoE engine
+# tests' tp2 and ep2 cases), lora (LoRA's tests, its kernels' cost per layer,
 # bench.py with and without adapters: throughput and latency), structured (structured outputs:
 # its tests, the host's mask work per step, bench.py --structured json all rows / half the rows /
 # with xgrammar; needs llguidance, xgrammar and jsonschema, and a Qwen3 tokenizer folder,
@@ -69,7 +70,8 @@ if [[ $stage == moe ]]; then
   done
 fi
 if [[ $stage == moe-parallel ]]; then
-  for run in "moe_tp1 --tp 1" "moe_tp2 --tp 2"; do
+  python -m pytest -q tests/test_gpu_moe.py -k "tp2 or ep2" 2>&1 | tee "$out/moe_parallel_tests.log" | tail -5
+  for run in "moe_tp1 --tp 1" "moe_tp2 --tp 2" "moe_ep2 --tp 2 --enable-expert-parallel"; do
     set -- $run
     python bench.py --model qwen3-30b-a3b --json "$out/$1.json" "${@:2}" 2>&1 | grep -v Warn | tee "$out/$1.log" | tail -3
   done
