@@ -169,6 +169,21 @@ def test_step_api_streams_and_aborts(tiny_qwen3):
     assert engine.block_manager.num_free_blocks == engine.model_runner.num_kvcache_blocks
 
 
+def test_aborting_a_waiting_request_leaves_the_others(tiny_qwen3):
+    """A request aborted while it waits behind others leaves the queue alone: the others finish."""
+    engine = LLMEngine.from_engine_args(tiny_qwen3[0], **ARGS)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    for rid, prompt in zip("abc", random_prompts([4, 6, 8], seed=36)):
+        engine.add_request(rid, prompt, params)
+    engine.abort_request("b")  # second in the queue
+    finished = {}
+    for _ in range(40):
+        finished |= {out.request_id: len(out.outputs[0].token_ids) for out in engine.step() if out.finished}
+        if not engine.has_unfinished_requests():
+            break
+    assert finished == {"a": 5, "c": 5} and not engine.has_unfinished_requests()
+
+
 def test_two_threads_get_their_own_completions(llm, tiny_qwen3):
     prompts = [random_prompts([n], seed=35 + n)[0] for n in (6, 13)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -137,11 +137,11 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str):
-        """End `seq` (running, or waiting after a preemption) and free its blocks."""
+        """End `seq` (running, or waiting: anywhere in the queue, e.g. aborted) and free its blocks."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING:
-            self.waiting.popleft()
+            self.waiting.remove(seq)
         self.block_manager.free(seq)
         self.drafts.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
