@@ -61,8 +61,8 @@ class Speculator:
         decoding = [seq for seq in engine.scheduler.running if seq.num_computed_tokens == len(seq) - 1]
         seqs = [seq for seq in decoding if not seq.sampling_params.needs_processing]
         k = self.spec.num_speculative_tokens
-        if not seqs or (self.uniform and (len(seqs) < len(decoding) or (1 + k) * len(seqs) > self.budget or any(
-                engine.draft_room(seq) < k for seq in seqs))):
+        if not seqs or (self.uniform and ((1 + k) * len(decoding) > self.budget
+                                          or any(engine.draft_room(seq) < k for seq in decoding))):
             return
         start = time.perf_counter()
         drafts = self.proposer.propose(seqs)
