@@ -167,17 +167,17 @@ class DataParallelEngine(ReplicaRouter):
             except (OSError, EOFError):
                 pass
 
-    def _replica_metrics(self) -> list[list]:
-        replies = []
+    def _ask_all(self, message: tuple) -> list:
+        """Each replica's answer to message (one of the idle replicas' requests)."""
+        answers = []
         for i, conn in enumerate(self.conns):
-            conn.send(("metrics",))
-            replies.append(self._receive(i)[1])
-        return replies
+            conn.send(message)
+            answers.append(self._receive(i)[1])
+        return answers
+
+    def _replica_metrics(self) -> list[list]:
+        return self._ask_all(("metrics",))
 
     def reset_prefix_cache(self) -> bool:
         """Empty every replica's prefix cache; False if any replica still holds blocks."""
-        results = []
-        for i, conn in enumerate(self.conns):
-            conn.send(("reset_prefix_cache",))
-            results.append(self._receive(i)[1])
-        return all(results)
+        return all(self._ask_all(("reset_prefix_cache",)))

@@ -33,8 +33,8 @@ class LLMEngine(EngineCore):
 def check_model(config: Config):
     """Raise before anything starts: ValueError for an architecture nanovllm does not implement
     (naming those it does), a config it cannot serve or a tensor_parallel_size that does not
-    split the model (or its experts, with enable_expert_parallel) (the model class's check_config); FileNotFoundError for a checkpoint without
-    its weights."""
+    split the model, or its experts with enable_expert_parallel (the model class's
+    check_config); FileNotFoundError for a checkpoint without its weights."""
     model_class(config.hf_config).check_config(config.hf_config, config.tensor_parallel_size,
                                                config.enable_expert_parallel)
     if config.load_format == "safetensors":
