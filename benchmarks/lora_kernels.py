@@ -1,9 +1,10 @@
 """What LoRA adds to a decode step of Qwen3-0.6B at M rows, us per layer: the layer's four products
 chained as the model chains them (linear.norm_linear for qkv_proj and gate_up_proj), 28 layers
 with their own weights and slot tables in one CUDA graph, through LoRALinearMethod: the base alone,
-then with the deltas of rank-R adapters (all M rows spread over N adapters), shrink then expand,
-on all four kinds of layers and on qkv_proj alone (an adapter of q and v). Every variant is first
-checked against the torch path on the first layer's output (bf16: the two round differently).
+then with the deltas of rank-R adapters (all M rows spread over N adapters: at one row inside the
+base product's launch, kernels/gemv.py's GemvLoRA; at more shrink then expand), on all four kinds
+of layers and on qkv_proj alone (an adapter of q and v). Every variant is first checked against
+the torch path on the first layer's output (bf16: the two round differently).
 
     python benchmarks/lora_kernels.py [--m 1 8 16 32 64 256] [--adapters 1 8] [--rank 16]
 """
@@ -64,6 +65,7 @@ def main():
     max_loras = max(args.adapters)
     context = LoRAContext(max_loras, use_triton=True)
     context.all_kinds = frozenset(KINDS)
+    context.sync = torch.zeros(2, dtype=torch.int32, device="cuda")
     layers, norm = build(max_loras, args.rank, context)
     print(f"Qwen3-0.6B's four products per layer, {LAYERS} layers in a CUDA graph, rank {args.rank}; us per layer")
     for m in args.m:

@@ -72,6 +72,36 @@ def test_speculative_decoding_with_adapters(tiny):
     torch.cuda.empty_cache()
 
 
+def test_one_sequence_in_bfloat16_joins_the_adapter_to_each_product(tiny, monkeypatch):
+    """bf16, one sequence: each product's adapter rides in gemv.py's launch (GemvLoRA), eager and
+    in CUDA graphs, with the tokens of shrink then expand after the base product (the same
+    roundings, sums in another order), for each adapter and for none."""
+    from nanovllm.kernels import gemv as gemv_module
+    from nanovllm.layers.lora import LoRALinearMethod
+    path, prompts, requests, _ = tiny
+    args = ARGS | dict(dtype="bfloat16", max_num_seqs=4)
+
+    def generate(**kwargs):
+        llm = LLM(path, **args, **kwargs)
+        tokens = {name: run(llm, prompts[:1], requests.get(name)) for name in NAMES + [None]}
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+        return tokens
+
+    with monkeypatch.context() as patch:
+        patch.setattr(LoRALinearMethod, "_one_launch", lambda self, x: False)
+        expected = generate(enforce_eager=True)
+    fused = []
+    for name in ("gemv", "norm_gemv"):
+        fn = getattr(gemv_module, name)
+        monkeypatch.setattr(gemv_module, name, lambda *a, fn=fn, **k: fused.append(k.get("lora")) or fn(*a, **k))
+    for enforce_eager in (True, False):
+        fused.clear()
+        assert generate(enforce_eager=enforce_eager) == expected
+        assert sum(lora is not None for lora in fused) >= 4  # run eagerly or captured: every kind of product
+
+
 @pytest.fixture(scope="module")
 def qwen3_06b(tmp_path_factory):
     """Qwen3-0.6B's shapes with random float32 weights and three rank-16 PEFT adapters (all seven

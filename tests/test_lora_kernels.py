@@ -10,6 +10,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+from nanovllm.kernels.fp8 import quantize_fp8  # noqa: E402
+from nanovllm.kernels.gemv import GemvLoRA, gemv, norm_gemv  # noqa: E402
 from nanovllm.kernels.lora import MAX_SPLIT_K, lora_expand, lora_shrink, split_k_for  # noqa: E402
 from nanovllm.layers.lora import lora_mapping, lora_reference, tile_slots  # noqa: E402
 
@@ -94,6 +96,50 @@ def test_kernels_match_the_reference(bounds, mode, dtype):
     assert_close(actual, expected, dtype, 200 + 12)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bounds", [(0, 48), (0, 56, 112), (0, 40, 64, 90)])
+def test_one_row_product_with_its_adapter_in_one_launch(bounds, mode, fp8):
+    """gemv.py's one-row product with the row's adapter in its own launch (GemvLoRA) against the
+    base product then the torch path, for every slot and for none (slot -1: the base alone), with
+    partial tiles in N, K and the shrink's rows; sync left at zero for the next launch."""
+    g = torch.Generator().manual_seed(30 + fp8)
+    k = 200 if mode != "norm" else 130
+    dtype = torch.float16
+    (_, a, b, _), _, _, _, kwargs, _ = problem(1, k, bounds, 3, 12, mode, dtype, 5)
+    n = bounds[-1]
+    w = torch.randn(n, k, generator=g) * 0.05
+    w, scale = quantize_fp8(w) if fp8 else (w.to(dtype), None)
+    w, scale = w.to(DEVICE), None if scale is None else scale.to(DEVICE)
+    bias = torch.randn(n, generator=g).to(dtype).to(DEVICE)
+    sync = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    config = (4, 64, 4, 2)
+    for slot in (-1, 0, 1, 2):
+        x = (torch.randn(1, 2 * k if mode == "gated" else k, generator=g) * 2).to(dtype).to(DEVICE)
+        res = (torch.randn(1, k, generator=g) * 2).to(dtype).to(DEVICE)
+        tiles = torch.tensor([[slot, 0, 1], [-1, 0, 0]], dtype=torch.int32, device=DEVICE)
+        lora = GemvLoRA(a, b, tiles, bounds, sync)
+        if mode == "norm":
+            norm_w, eps = kwargs["norm"]
+            actual, r = norm_gemv(x, res, norm_w, eps, w, scale, bias, config=config, lora=lora)
+            base, r_base = norm_gemv(x, res, norm_w, eps, w, scale, bias, config=config)
+            assert torch.equal(r, r_base)
+            x_in = r
+        else:
+            actual = gemv(x, w, scale, bias, gated=mode == "gated", config=config, lora=lora)
+            base = gemv(x, w, scale, bias, gated=mode == "gated", config=config)
+            x_in = x
+        assert torch.equal(sync.cpu(), torch.zeros(2, dtype=torch.int32))
+        if slot < 0:
+            assert torch.equal(actual, base)
+            continue
+        groups = np.array([[slot, 0, 1]])
+        expected = lora_reference(base.clone(), x_in, a, b, torch.zeros(1, dtype=torch.int32, device=DEVICE),
+                                  groups, bounds, **kwargs)
+        assert not torch.equal(expected, base)
+        assert_close(actual, expected, dtype, k + 12)
+
+
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_prefill_sized_tiles(block_m):
     """A prefill-sized step (tiles of 64 rows, exact tile list, one split) and a wide K (four K steps)."""
@@ -142,3 +188,50 @@ def test_kernels_at_model_shapes_on_cuda(num_rows):
         actual = lora_expand(y.clone(), lora_shrink(x, a, rows, tiles, block_m, **kwargs), b, rows, tiles, block_m,
                              bounds)
         assert_close(actual, expected, torch.bfloat16, k + 16)
+
+
+@pytest.mark.skipif(not CUDA, reason="bfloat16 at Qwen3-0.6B's shapes in a CUDA graph on the GPU")
+def test_one_row_products_with_adapters_in_a_cuda_graph():
+    """Qwen3-0.6B's four one-row products with rank-16 adapters in 8 slots (bf16, default tilings),
+    28 layers' worth launched back to back in a CUDA graph (each launch may start under the one
+    before and they share sync), replayed with other slots: each against the base product then
+    the torch path, sync back at zero."""
+    shapes = ((1024, (0, 2048, 3072, 4096), "norm"), (2048, (0, 1024), "plain"),
+              (1024, (0, 3072, 6144), "norm"), (3072, (0, 1024), "gated"))
+    g = torch.Generator().manual_seed(6)
+    sync = torch.zeros(2, dtype=torch.int32, device="cuda")
+    tiles = torch.tensor([[0, 0, 1]] + [[-1, 0, 0]] * 3, dtype=torch.int32, device="cuda")
+    layers = []
+    for i in range(28):
+        k, bounds, mode = shapes[i % 4]
+        (x, a, b, _), _, _, _, kwargs, _ = problem(1, k, bounds, 8, 16, mode, torch.bfloat16, 100 + i)
+        w = (torch.randn(bounds[-1], k, generator=g) * 0.03).bfloat16().cuda()
+        res = torch.randn_like(x) if mode == "norm" else None
+        layers.append((x, res, w, a, b, bounds, kwargs))
+
+    def products(lora: bool):
+        out = []
+        for x, res, w, a, b, bounds, kwargs in layers:
+            adapter = GemvLoRA(a, b, tiles, bounds, sync) if lora else None
+            if kwargs["norm"] is not None:
+                out.append(norm_gemv(x, res, *kwargs["norm"], w, lora=adapter)[0])
+            else:
+                out.append(gemv(x, w, gated=kwargs["gated"], lora=adapter))
+        return out
+
+    products(True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = products(True)
+    for slot in (3, 0, 7):
+        tiles[0, 0] = slot
+        for y in outputs:
+            y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not sync.any()
+        for y, base, (x, res, w, a, b, bounds, kwargs) in zip(outputs, products(False), layers):
+            x_in = x if res is None else (x + res)
+            expected = lora_reference(base.clone(), x_in, a, b, torch.zeros(1, dtype=torch.int32, device="cuda"),
+                                      np.array([[slot, 0, 1]]), bounds, **kwargs)
+            assert_close(y, expected, torch.bfloat16, x.size(1) + 16)

@@ -75,6 +75,8 @@ class LoRAManager:
                 add_lora_weights(module, name.rsplit(".", 1)[1], self.max_loras, self.max_rank, self.dtype)
                 self.layers[name] = module
         self.context.all_kinds = frozenset(layer.lora_kind for layer in self.layers.values())
+        if self.layers:
+            self.context.sync = torch.zeros(2, dtype=torch.int32, device=next(iter(self.layers.values())).weight.device)
 
     # ---- rank 0 ------------------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ first weight tile is loaded before waiting for the previous kernel (weights neve
 which lets the RMSNorm's pass over x hide behind the weight loads: RMSNorm + qkv_proj 6.47 ->
 5.07 us at 0.6B, 20.89 -> 18.48 at 8B (docs/perf-log.md, 2026-11-24).
 """
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -60,20 +62,11 @@ def _widen(w, SCALED: tl.constexpr):
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, N, K, eps,
-                SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-                HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """Grid (cdiv(N, BLOCK_N),): y [N] = (w [N, K] @ a) * scale + bias, one program per BLOCK_N rows
-    of w streamed along K (contiguous loads, products in float32, summed along K once at the end;
-    no tensor cores). a = x [K]; with GATED silu(x[:K]) * x[K:] for x [2K], rounded to x's dtype
-    as silu_and_mul rounds it; with NORM RMSNorm(r) * norm_w for r = x + residual (HAS_RESIDUAL,
-    summed in x's dtype; program 0 writes it to res_out) or r = x, as layernorm.RMSNorm rounds
-    it: the mean of r^2 in float32 over a first pass of r. scale [N] float32 (float8 weights:
-    W = w * scale per row). With PDL the first weight tile is loaded before the wait for the
-    previous kernel, everything that kernel may write after it."""
-    if PDL:
-        gdc_launch_dependents()
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _dot_rows(x_ptr, w_ptr, rn, N, K, eps, res_ptr, norm_w_ptr, res_out_ptr, res_cols, SCALED: tl.constexpr,
+              GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """(w [N, K] @ a)[rn] in float32 [BLOCK_N], rows past N 0 (gemv_kernel says what a is). With
+    PDL the first weight tile is loaded before the wait for the previous kernel."""
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :]
     w = tl.load(w_ptrs, mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
@@ -87,7 +80,6 @@ def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, res_ptr, norm_w_ptr, r
             r = _residual_sum(x_ptr, res_ptr, k + rk, K, HAS_RESIDUAL).to(tl.float32)
             sq += r * r
         inv_rms = tl.rsqrt(tl.sum(sq, 0) / K + eps)
-    res_cols = K * (tl.program_id(0) == 0).to(tl.int32)  # program 0 writes x + residual
     a = _input(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, rk, K, inv_rms, res_cols, GATED, NORM, HAS_RESIDUAL)
     acc = _widen(w, SCALED) * a[None, :]
     for k in range(BLOCK_K, K, BLOCK_K):
@@ -96,12 +88,82 @@ def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, res_ptr, norm_w_ptr, r
         a = _input(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, k + rk, K, inv_rms, res_cols, GATED, NORM,
                    HAS_RESIDUAL)
         acc += _widen(w, SCALED) * a[None, :]
-    y = tl.sum(acc, 1)
-    if SCALED:
-        y *= tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def _lora_delta(y, rn, N, slot, b_ptr, s_ptr, sync_ptr, lora_programs, R, B1, B2, BLOCK_R: tl.constexpr):
+    """y + s_j B[slot, rn]^T for rn's slice j (the slices [0, B1), [B1, B2), [B2, N)), once the
+    shrink programs have written s [S * R] (the model dtype): in float32 [BLOCK_N]."""
+    r = tl.arange(0, BLOCK_R)
+    mask = (rn[:, None] < N) & (r[None, :] < R)
+    b = tl.load(b_ptr + slot.to(tl.int64) * N * R + rn[:, None] * R + r[None, :], mask=mask, other=0.0)
+    j = (rn >= B1).to(tl.int32) + (rn >= B2).to(tl.int32)
+    while tl.atomic_add(sync_ptr, 0, sem="acquire") < lora_programs:
+        pass
+    # .cg: s was written by other programs during this kernel, past this SM's L1
+    s = tl.load(s_ptr + j[:, None] * R + r[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    return y + tl.sum(s.to(tl.float32) * b.to(tl.float32), 1)
+
+
+@triton.jit
+def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, lora_a_ptr, lora_b_ptr,
+                tiles_ptr, s_ptr, sync_ptr, N, K, eps, SR, R, B1, B2, lora_programs, SCALED: tl.constexpr,
+                HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                LORA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                PDL: tl.constexpr):
+    """Grid (lora_programs + cdiv(N, BLOCK_N),): y [N] = (w [N, K] @ a) * scale + bias, one program
+    per BLOCK_N rows of w streamed along K (contiguous loads, products in float32, summed along K
+    once at the end; no tensor cores). a = x [K]; with GATED silu(x[:K]) * x[K:] for x [2K],
+    rounded to x's dtype as silu_and_mul rounds it; with NORM RMSNorm(r) * norm_w for r = x +
+    residual (HAS_RESIDUAL, summed in x's dtype; program 0 writes it to res_out) or r = x, as
+    layernorm.RMSNorm rounds it: the mean of r^2 in float32 over a first pass of r. scale [N]
+    float32 (float8 weights: W = w * scale per row). With PDL the first weight tile is loaded
+    before the wait for the previous kernel, everything that kernel may write after it.
+
+    LORA: the row's adapter (slot = tiles[0], -1 none; layers/lora.py's mapping) in the same
+    launch: programs below lora_programs compute s = a @ A[slot]^T (lora_a [max_loras, SR, K],
+    SR = S * R for S slices of rank R) as other programs compute y, store it rounded to the model
+    dtype (as PEFT rounds it) into s [SR] and count themselves in sync[0]; the other programs add
+    s B[slot]^T (lora_b [max_loras, N, R]) to their rounded y once sync[0] says all of s is there.
+    The last of them resets sync [2] int32 to zeros for the next launch. Waiting inside a launch
+    is safe as the waiting programs come after the ones they wait for (blocks are dispatched in
+    order, as CUTLASS's serial split-K semaphore assumes), and Triton's interpreter runs programs
+    in order."""
+    if PDL:
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    res_cols = K * (pid == 0).to(tl.int32)  # program 0 writes x + residual
+    slot = -1
+    shrink = False
+    if LORA:
+        slot = tl.load(tiles_ptr)
+        shrink = pid < lora_programs
+    if shrink:
+        rs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        s = _dot_rows(x_ptr, lora_a_ptr + tl.maximum(slot, 0).to(tl.int64) * SR * K, rs, SR, K, eps, res_ptr,
+                      norm_w_ptr, res_out_ptr, res_cols, False, GATED, NORM, HAS_RESIDUAL, BLOCK_N, BLOCK_K, PDL)
+        if slot >= 0:
+            tl.store(s_ptr + rs, s.to(s_ptr.dtype.element_ty), mask=rs < SR)
+            tl.debug_barrier()  # every thread's part of s stored before the count is released
+            tl.atomic_add(sync_ptr, 1, sem="release")
+    else:
+        rn = (pid - lora_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
+        y = _dot_rows(x_ptr, w_ptr, rn, N, K, eps, res_ptr, norm_w_ptr, res_out_ptr, res_cols, SCALED, GATED, NORM,
+                      HAS_RESIDUAL, BLOCK_N, BLOCK_K, PDL)
+        if SCALED:
+            y *= tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        if LORA:
+            if slot >= 0:  # the base product rounded, then the delta added (as add_lora adds it)
+                y = _lora_delta(y.to(y_ptr.dtype.element_ty).to(tl.float32), rn, N, slot, lora_b_ptr, s_ptr,
+                                sync_ptr, lora_programs, R, B1, B2, BLOCK_R)
+                done = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel")
+                if done == tl.num_programs(0) - lora_programs - 1:
+                    tl.atomic_xchg(sync_ptr, 0)
+                    tl.atomic_xchg(sync_ptr + 1, 0)
+        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
 def gemv_config(k: int, weight_dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -123,38 +185,63 @@ def gemv_config(k: int, weight_dtype: torch.dtype) -> tuple[int, int, int, int]:
     return (2, 1024, 4, 3) if weight_dtype.itemsize == 2 else (4, 1024, 4, 4)
 
 
+class GemvLoRA(NamedTuple):
+    """The adapter of a one-row product, applied in the product's own launch (gemv_kernel's LORA):
+    lora_a [max_loras, S * R, K] and lora_b [max_loras, N, R] in the model dtype (layers/lora.py's
+    slot tables, B scaled by alpha / r), tiles int32 whose first entry is the row's slot (-1: none;
+    layers/lora.py's mapping), bounds (0, ..., N): the S <= 3 slices' first output columns and N,
+    sync: int32 [2] zeros on x's device, shared by the launches of a stream (each leaves it zero)."""
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    tiles: torch.Tensor
+    bounds: tuple[int, ...]
+    sync: torch.Tensor
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
          bias: torch.Tensor | None = None, gated: bool = False,
-         config: tuple[int, int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+         config: tuple[int, int, int, int] | None = None, out: torch.Tensor | None = None,
+         lora: GemvLoRA | None = None) -> torch.Tensor:
     """x [..., K] with one row (bf16/fp16, CUDA; [..., 2K] = [gate | up] when gated) @ (weight [N, K]
     in x's dtype or float8 e4m3 times weight_scale [N] float32 per row)^T + bias [N] -> [..., N] in
-    x's dtype, written to out (contiguous) when given. config: (BLOCK_N, BLOCK_K, num_warps,
-    num_stages), by default gemv_config's."""
-    return _launch(x, weight, weight_scale, bias, config, gated=gated, out=out)
+    x's dtype, written to out (contiguous) when given, plus lora's delta. config: (BLOCK_N,
+    BLOCK_K, num_warps, num_stages), by default gemv_config's."""
+    return _launch(x, weight, weight_scale, bias, config, gated=gated, out=out, lora=lora)
 
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
               weight: torch.Tensor, weight_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-              config: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              config: tuple[int, int, int, int] | None = None,
+              lora: GemvLoRA | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv(RMSNorm(r) * norm_weight) and r, for r = x + residual [..., K] (x alone when residual is
     None; one row, x's dtype) as layernorm.RMSNorm computes it: (y [..., N], r [..., K])."""
     x = x.contiguous()
     r = x if residual is None else torch.empty_like(x)
-    y = _launch(x, weight, weight_scale, bias, config, norm=(residual, norm_weight, eps, r))
+    y = _launch(x, weight, weight_scale, bias, config, norm=(residual, norm_weight, eps, r), lora=lora)
     return y, r
 
 
-def _launch(x, weight, weight_scale, bias, config, gated=False, norm=None, out=None):
+def _launch(x, weight, weight_scale, bias, config, gated=False, norm=None, out=None, lora=None):
     n, k = weight.shape
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device) if out is None else out
     residual, norm_weight, eps, res_out = norm or (None, None, 0.0, None)
     block_n, block_k, warps, stages = config or gemv_config(k, weight.dtype)
-    gemv_kernel[(triton.cdiv(n, block_n),)](
+    sr, rank, programs, b1, b2 = 0, 0, 0, n, n
+    if lora is not None:
+        sr, rank = lora.lora_a.size(1), lora.lora_b.size(2)
+        assert lora.lora_a.size(2) == k and lora.lora_b.size(1) == n == lora.bounds[-1] and lora.lora_a.dtype == x.dtype
+        assert sr == (len(lora.bounds) - 1) * rank and len(lora.bounds) <= 4
+        b1, b2 = (list(lora.bounds[1:-1]) + [n, n])[:2]
+        programs = triton.cdiv(sr, block_n)
+        s = torch.empty(sr, dtype=x.dtype, device=x.device)
+    gemv_kernel[(programs + triton.cdiv(n, block_n),)](
         x, weight, weight if weight_scale is None else weight_scale, weight if bias is None else bias, y,
         x if residual is None else residual.contiguous(), x if norm is None else norm_weight,
-        x if res_out is None else res_out, n, k, eps,
+        x if res_out is None else res_out, *(x,) * 5 if lora is None else (lora.lora_a, lora.lora_b, lora.tiles, s,
+                                                                         lora.sync),
+        n, k, eps, sr, rank, b1, b2, programs,
         SCALED=weight_scale is not None, HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages, **pdl_args(x.device))
+        HAS_RESIDUAL=residual is not None, LORA=lora is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_R=triton.next_power_of_2(max(rank, 1)), num_warps=warps, num_stages=stages, **pdl_args(x.device))
     return y

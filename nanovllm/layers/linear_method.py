@@ -43,6 +43,7 @@ class LinearMethod:
     quantization: the Config.quantization it implements (the experts' method follows it: moe_method.py)."""
     rows_independent = True
     quantization: str | None = None
+    one_row_gemv = False  # one row's product is gemv.py's of layer.weight (and weight_scale): adapters join its launch
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Turn the loaded model-dtype weight into what apply reads (nothing to do by default)."""
@@ -61,6 +62,7 @@ class LinearMethod:
 
 class UnquantizedLinearMethod(LinearMethod):
     """Weights in the model dtype."""
+    one_row_gemv = True
 
     def apply(self, layer, x, bias, gated=False, out=None):
         weight = layer.weight
@@ -93,6 +95,7 @@ class Fp8LinearMethod(LinearMethod):
     channel (weight_scale [out]); activations quantized per token where the product is large enough
     to gain from float8 matrix cores (kernels/fp8.py: quantizes_activations)."""
     quantization = "fp8"
+    one_row_gemv = True
 
     @torch.no_grad()
     def process_weights_after_loading(self, layer):

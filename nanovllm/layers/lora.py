@@ -22,7 +22,7 @@ from torch import nn
 from nanovllm.kernels.activation import swiglu
 from nanovllm.kernels.rms_norm import rms_norm
 from nanovllm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
-from nanovllm.layers.linear_method import LinearMethod
+from nanovllm.layers.linear_method import LinearMethod, one_row
 
 GRAPH_BLOCK_M = 16  # tile rows of decode steps (and every CUDA graph): tensor cores' narrowest
 PREFILL_BLOCK_M = 64  # of steps with more rows than PREFILL_MIN_ROWS
@@ -103,6 +103,7 @@ class LoRAContext:
         self.all_kinds: frozenset = frozenset()
         self.graph_index: torch.Tensor | None = None  # CUDA graphs' static tiles then rows
         self.graph_tiles = 0  # the tiles it holds
+        self.sync: torch.Tensor | None = None  # int32 [2] zeros: gemv.py's one-row products with an adapter
         self.clear()
 
     def clear(self):
@@ -161,16 +162,36 @@ class LoRALinearMethod(LinearMethod):
         self.base.process_weights_after_loading(layer)
 
     def apply(self, layer, x, bias, gated=False, out=None):
-        y = self.base.apply(layer, x, bias, gated, out)
-        if self.context.tiles is not None and getattr(layer, "lora_kind", None) in self.context.kinds:
-            add_lora(self.context, layer, y, x, gated=gated)
-        return y
+        if not self._changes(layer):
+            return self.base.apply(layer, x, bias, gated, out)
+        if self._one_launch(x):
+            from nanovllm.kernels.gemv import gemv
+            return gemv(x, layer.weight, getattr(layer, "weight_scale", None), bias, gated, out=out,
+                        lora=self._gemv_lora(layer))
+        return add_lora(self.context, layer, self.base.apply(layer, x, bias, gated, out), x, gated=gated)
 
     def apply_norm(self, layer, x, residual, norm):
+        if not self._changes(layer):
+            return self.base.apply_norm(layer, x, residual, norm)
+        if self._one_launch(x):
+            from nanovllm.kernels.gemv import norm_gemv
+            return norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, getattr(layer, "weight_scale", None),
+                             layer.bias, lora=self._gemv_lora(layer))
         y, r = self.base.apply_norm(layer, x, residual, norm)
-        if self.context.tiles is not None and getattr(layer, "lora_kind", None) in self.context.kinds:
-            add_lora(self.context, layer, y, r, norm=(norm.weight, norm.eps))
-        return y, r
+        return add_lora(self.context, layer, y, r, norm=(norm.weight, norm.eps)), r
+
+    def _changes(self, layer) -> bool:
+        """The step has adapter rows that change this layer."""
+        return self.context.tiles is not None and getattr(layer, "lora_kind", None) in self.context.kinds
+
+    def _one_launch(self, x) -> bool:
+        """One row whose base product is gemv.py's: its adapter joins that launch (eight launches
+        fewer per layer than shrink and expand, which made one adapter cost 2x at one sequence)."""
+        return self.base.one_row_gemv and one_row(x) and self.context.use_triton
+
+    def _gemv_lora(self, layer):
+        from nanovllm.kernels.gemv import GemvLoRA
+        return GemvLoRA(layer.lora_a, layer.lora_b, self.context.tiles, layer.lora_bounds, self.context.sync)
 
 
 def add_lora(context: LoRAContext, layer: nn.Module, y: torch.Tensor, x: torch.Tensor,
