@@ -26,6 +26,7 @@ KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 def build(max_loras: int, rank: int, context: LoRAContext):
     tp, method = TensorParallel(), LoRALinearMethod(UnquantizedLinearMethod(), context)
+    kind_index = {kind: i for i, kind in enumerate(KINDS)}
     layers = []
     for _ in range(LAYERS):
         mods = (QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, KV_HEADS, tp, quant_method=method),
@@ -36,13 +37,15 @@ def build(max_loras: int, rank: int, context: LoRAContext):
             mod.weight.data.normal_(0, 0.02)
             mod.cuda().bfloat16()
             add_lora_weights(mod, kind, max_loras, rank, torch.bfloat16)
+            mod.lora_index = len(layers) * len(KINDS) + kind_index[kind]
             mod.lora_a.normal_(0, HIDDEN ** -0.5)
             mod.lora_b.normal_(0, 0.01)
         layers.append(mods)
     return layers, RMSNorm(HIDDEN).cuda().bfloat16()
 
 
-def forward(layers, norm, x):
+def forward(layers, norm, x, context):
+    context.one_row_s.zero_()  # as the engine does before each one-row step
     res = None
     for qkv_proj, o_proj, gate_up_proj, down_proj in layers:
         qkv, res = norm_linear(x, res, norm, qkv_proj)
@@ -65,24 +68,24 @@ def main():
     max_loras = max(args.adapters)
     context = LoRAContext(max_loras, use_triton=True)
     context.all_kinds = frozenset(KINDS)
-    context.sync = torch.zeros(2, dtype=torch.int32, device="cuda")
+    context.init_one_row(LAYERS * len(KINDS), args.rank, torch.device("cuda"))
     layers, norm = build(max_loras, args.rank, context)
     print(f"Qwen3-0.6B's four products per layer, {LAYERS} layers in a CUDA graph, rank {args.rank}; us per layer")
     for m in args.m:
         x = torch.randn(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
         context.clear()
-        base = time_graph(lambda: forward(layers, norm, x))
+        base = time_graph(lambda: forward(layers, norm, x, context))
         row = [f"M={m:4d} base {base:6.2f}"]
         for n in args.adapters:
             slots = np.arange(m) % n
             index, num_tiles, groups = lora_mapping(slots, 16, tile_slots(m, max_loras))
             for kinds in (frozenset(KINDS), frozenset({"qkv_proj"})):
                 context.set_step(torch.from_numpy(index).cuda(), num_tiles, 16, groups, kinds)
-                out = forward(layers[:1], norm, x)  # the kernels, then the torch path
+                out = forward(layers[:1], norm, x, context)  # the kernels, then the torch path
                 context.use_triton = False
-                torch.testing.assert_close(out, forward(layers[:1], norm, x), rtol=2e-2, atol=2e-2)
+                torch.testing.assert_close(out, forward(layers[:1], norm, x, context), rtol=2e-2, atol=2e-2)
                 context.use_triton = True
-                us = time_graph(lambda: forward(layers, norm, x))
+                us = time_graph(lambda: forward(layers, norm, x, context))
                 row.append(f"{n} adapters {'all' if len(kinds) == 4 else 'qkv'} +{us - base:5.2f}")
         print(" | ".join(row))
 

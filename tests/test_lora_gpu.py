@@ -66,7 +66,7 @@ def test_speculative_decoding_with_adapters(tiny):
     assert run(llm, prompts[:7], [requests[n] if n else None for n in names]) == [expected[n][i] for i, n in
                                                                                  enumerate(names)]
     assert run(llm, prompts[:1], requests["all"]) == expected["all"][:1]
-    assert sum(key[1] == 4 for key in replayed) > 5 and llm.engine.spec_metrics.num_accepted_tokens > 0
+    assert sum(key[1] == 4 for key in replayed) >= 3 and llm.engine.spec_metrics.num_accepted_tokens > 0
     del graph_runner, replay, llm
     gc.collect()
     torch.cuda.empty_cache()

@@ -73,10 +73,10 @@ class LoRAManager:
         for name, module in model.named_modules():
             if isinstance(module, LinearBase):
                 add_lora_weights(module, name.rsplit(".", 1)[1], self.max_loras, self.max_rank, self.dtype)
+                module.lora_index = len(self.layers)
                 self.layers[name] = module
         self.context.all_kinds = frozenset(layer.lora_kind for layer in self.layers.values())
-        if self.layers:
-            self.context.sync = torch.zeros(2, dtype=torch.int32, device=next(iter(self.layers.values())).weight.device)
+        self.context.init_one_row(len(self.layers), self.max_rank, next(iter(model.parameters())).device)
 
     # ---- rank 0 ------------------------------------------------------------------------------
 

@@ -92,26 +92,34 @@ def _dot_rows(x_ptr, w_ptr, rn, N, K, eps, res_ptr, norm_w_ptr, res_out_ptr, res
 
 
 @triton.jit
-def _lora_delta(y, rn, N, slot, b_ptr, s_ptr, sync_ptr, lora_programs, R, B1, B2, BLOCK_R: tl.constexpr):
-    """y + s_j B[slot, rn]^T for rn's slice j (the slices [0, B1), [B1, B2), [B2, N)), once the
-    shrink programs have written s [S * R] (the model dtype): in float32 [BLOCK_N]."""
+def _shrink_words(s_ptr, rn, N, R, B1, B2, BLOCK_R: tl.constexpr):
+    """The words of s that rows rn read (gemv_kernel): their slice's R, as (pointers, mask)
+    [BLOCK_N, BLOCK_R], for the slices [0, B1), [B1, B2), [B2, N)."""
     r = tl.arange(0, BLOCK_R)
-    mask = (rn[:, None] < N) & (r[None, :] < R)
-    b = tl.load(b_ptr + slot.to(tl.int64) * N * R + rn[:, None] * R + r[None, :], mask=mask, other=0.0)
     j = (rn >= B1).to(tl.int32) + (rn >= B2).to(tl.int32)
-    while tl.atomic_add(sync_ptr, 0, sem="acquire") < lora_programs:
-        pass
-    # .cg: s was written by other programs during this kernel, past this SM's L1
-    s = tl.load(s_ptr + j[:, None] * R + r[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    return s_ptr + j[:, None] * R + r[None, :], (rn[:, None] < N) & (r[None, :] < R)
+
+
+@triton.jit
+def _lora_delta(y, b, words, ptrs, mask):
+    """y + s B[slot, rn]^T in float32 [BLOCK_N] for b = B[slot, rn] [BLOCK_N, BLOCK_R] and the
+    words of s at ptrs (_shrink_words), read again until each has its flag (words: a first read)."""
+    if tl.min(tl.min(words >> 16, 1), 0) == 0:
+        # volatile: from L2, as other SMs write it. The loop carries no tensor: a loop that carried
+        # the words read came out with a first read's on the H200 (Triton 3.6)
+        while tl.min(tl.min(tl.load(ptrs, mask=mask, other=0x10000, volatile=True) >> 16, 1), 0) == 0:
+            pass
+        words = tl.load(ptrs, mask=mask, other=0x10000, volatile=True)
+    s = (words & 0xFFFF).to(tl.int16).to(b.dtype, bitcast=True)
     return y + tl.sum(s.to(tl.float32) * b.to(tl.float32), 1)
 
 
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, lora_a_ptr, lora_b_ptr,
-                tiles_ptr, s_ptr, sync_ptr, N, K, eps, SR, R, B1, B2, lora_programs, SCALED: tl.constexpr,
+                tiles_ptr, s_ptr, N, K, eps, SR, s_words, R, B1, B2, lora_programs, SCALED: tl.constexpr,
                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                LORA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                PDL: tl.constexpr):
+                LORA: tl.constexpr, COPIES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """Grid (lora_programs + cdiv(N, BLOCK_N),): y [N] = (w [N, K] @ a) * scale + bias, one program
     per BLOCK_N rows of w streamed along K (contiguous loads, products in float32, summed along K
     once at the end; no tensor cores). a = x [K]; with GATED silu(x[:K]) * x[K:] for x [2K],
@@ -122,14 +130,18 @@ def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, res_ptr, norm_w_ptr, r
     before the wait for the previous kernel, everything that kernel may write after it.
 
     LORA: the row's adapter (slot = tiles[0], -1 none; layers/lora.py's mapping) in the same
-    launch: programs below lora_programs compute s = a @ A[slot]^T (lora_a [max_loras, SR, K],
-    SR = S * R for S slices of rank R) as other programs compute y, store it rounded to the model
-    dtype (as PEFT rounds it) into s [SR] and count themselves in sync[0]; the other programs add
-    s B[slot]^T (lora_b [max_loras, N, R]) to their rounded y once sync[0] says all of s is there.
-    The last of them resets sync [2] int32 to zeros for the next launch. Waiting inside a launch
-    is safe as the waiting programs come after the ones they wait for (blocks are dispatched in
-    order, as CUTLASS's serial split-K semaphore assumes), and Triton's interpreter runs programs
-    in order."""
+    launch. Programs below lora_programs compute s = a @ A[slot]^T (lora_a [max_loras, SR, K],
+    SR = S * R for S slices of rank R) as the others compute y, rounded to the model dtype (as
+    PEFT rounds it), and store each value as a word (1 << 16 | its 16 bits) in every one of
+    COPIES copies (s [COPIES, s_words] int32, zero before the launch). The others add
+    s B[slot]^T (lora_b [max_loras, N, R]) to their rounded y once the words they read from
+    their copy all have the flag: a value and its flag arrive in one store, so there is no count
+    to order against (NCCL's LL protocol), and one round trip to L2 rather than two; a first read
+    before the product finds s there for programs that start after the shrink's. The copies
+    spread every program's read of the same lines (~1 us of a launch of 1024 programs on an
+    H200). Waiting inside a launch is safe as the waiting programs come after the ones they wait
+    for (blocks are dispatched in order, as CUTLASS's serial split-K semaphore assumes), and
+    Triton's interpreter runs programs in order."""
     if PDL:
         gdc_launch_dependents()
     pid = tl.program_id(0)
@@ -144,11 +156,17 @@ def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, res_ptr, norm_w_ptr, r
         s = _dot_rows(x_ptr, lora_a_ptr + tl.maximum(slot, 0).to(tl.int64) * SR * K, rs, SR, K, eps, res_ptr,
                       norm_w_ptr, res_out_ptr, res_cols, False, GATED, NORM, HAS_RESIDUAL, BLOCK_N, BLOCK_K, PDL)
         if slot >= 0:
-            tl.store(s_ptr + rs, s.to(s_ptr.dtype.element_ty), mask=rs < SR)
-            tl.debug_barrier()  # every thread's part of s stored before the count is released
-            tl.atomic_add(sync_ptr, 1, sem="release")
+            copies = tl.arange(0, COPIES)
+            words = (s.to(lora_a_ptr.dtype.element_ty).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | 0x10000
+            tl.store(s_ptr + copies[:, None] * s_words + rs[None, :], words[None, :], mask=(rs < SR)[None, :])
     else:
         rn = (pid - lora_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if LORA:  # B's rows and a first read of s before the product: neither depends on the previous kernel
+            r = tl.arange(0, BLOCK_R)
+            b = tl.load(lora_b_ptr + tl.maximum(slot, 0).to(tl.int64) * N * R + rn[:, None] * R + r[None, :],
+                        mask=(rn[:, None] < N * (slot >= 0).to(tl.int32)) & (r[None, :] < R), other=0.0)
+            s_ptrs, s_mask = _shrink_words(s_ptr + (pid % COPIES) * s_words, rn, N, R, B1, B2, BLOCK_R)
+            words = tl.load(s_ptrs, mask=s_mask, other=0x10000, volatile=True)  # there for programs of later waves
         y = _dot_rows(x_ptr, w_ptr, rn, N, K, eps, res_ptr, norm_w_ptr, res_out_ptr, res_cols, SCALED, GATED, NORM,
                       HAS_RESIDUAL, BLOCK_N, BLOCK_K, PDL)
         if SCALED:
@@ -157,12 +175,7 @@ def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, res_ptr, norm_w_ptr, r
             y += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
         if LORA:
             if slot >= 0:  # the base product rounded, then the delta added (as add_lora adds it)
-                y = _lora_delta(y.to(y_ptr.dtype.element_ty).to(tl.float32), rn, N, slot, lora_b_ptr, s_ptr,
-                                sync_ptr, lora_programs, R, B1, B2, BLOCK_R)
-                done = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel")
-                if done == tl.num_programs(0) - lora_programs - 1:
-                    tl.atomic_xchg(sync_ptr, 0)
-                    tl.atomic_xchg(sync_ptr + 1, 0)
+                y = _lora_delta(y.to(y_ptr.dtype.element_ty).to(tl.float32), b, words, s_ptrs, s_mask)
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
@@ -190,12 +203,13 @@ class GemvLoRA(NamedTuple):
     lora_a [max_loras, S * R, K] and lora_b [max_loras, N, R] in the model dtype (layers/lora.py's
     slot tables, B scaled by alpha / r), tiles int32 whose first entry is the row's slot (-1: none;
     layers/lora.py's mapping), bounds (0, ..., N): the S <= 3 slices' first output columns and N,
-    sync: int32 [2] zeros on x's device, shared by the launches of a stream (each leaves it zero)."""
+    s: int32 [copies (a power of two), words >= S * R] zeros on x's device where the launch passes s between its
+    programs (left non-zero: zero it again before the next launch that takes it)."""
     lora_a: torch.Tensor
     lora_b: torch.Tensor
     tiles: torch.Tensor
     bounds: tuple[int, ...]
-    sync: torch.Tensor
+    s: torch.Tensor
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
@@ -227,21 +241,21 @@ def _launch(x, weight, weight_scale, bias, config, gated=False, norm=None, out=N
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device) if out is None else out
     residual, norm_weight, eps, res_out = norm or (None, None, 0.0, None)
     block_n, block_k, warps, stages = config or gemv_config(k, weight.dtype)
-    sr, rank, programs, b1, b2 = 0, 0, 0, n, n
+    sr, rank, programs, b1, b2, copies, words = 0, 0, 0, n, n, 1, 0
     if lora is not None:
         sr, rank = lora.lora_a.size(1), lora.lora_b.size(2)
         assert lora.lora_a.size(2) == k and lora.lora_b.size(1) == n == lora.bounds[-1] and lora.lora_a.dtype == x.dtype
         assert sr == (len(lora.bounds) - 1) * rank and len(lora.bounds) <= 4
         b1, b2 = (list(lora.bounds[1:-1]) + [n, n])[:2]
         programs = triton.cdiv(sr, block_n)
-        s = torch.empty(sr, dtype=x.dtype, device=x.device)
+        copies, words = lora.s.shape
+        assert lora.s.dtype == torch.int32 and lora.s.is_contiguous() and words >= sr and copies & (copies - 1) == 0
     gemv_kernel[(programs + triton.cdiv(n, block_n),)](
         x, weight, weight if weight_scale is None else weight_scale, weight if bias is None else bias, y,
         x if residual is None else residual.contiguous(), x if norm is None else norm_weight,
-        x if res_out is None else res_out, *(x,) * 5 if lora is None else (lora.lora_a, lora.lora_b, lora.tiles, s,
-                                                                         lora.sync),
-        n, k, eps, sr, rank, b1, b2, programs,
+        x if res_out is None else res_out, *(x,) * 4 if lora is None else (lora.lora_a, lora.lora_b, lora.tiles, lora.s),
+        n, k, eps, sr, words, rank, b1, b2, programs,
         SCALED=weight_scale is not None, HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None, LORA=lora is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_RESIDUAL=residual is not None, LORA=lora is not None, COPIES=copies, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_R=triton.next_power_of_2(max(rank, 1)), num_warps=warps, num_stages=stages, **pdl_args(x.device))
     return y

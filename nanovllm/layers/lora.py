@@ -31,6 +31,7 @@ PREFILL_MIN_ROWS = 128
 # default targets q_proj and v_proj) then add one kernel per layer, not four
 SMALL_GRAPH_KINDS = (frozenset({"qkv_proj"}), frozenset({"qkv_proj", "o_proj"}))
 SMALL_GRAPH_MAX_ROWS = 8
+GEMV_COPIES = 8  # copies of a one-row product's shrink (kernels/gemv.py's gemv_kernel says why)
 
 
 def lora_shards(layer: LinearBase) -> list[tuple[object, int]]:
@@ -103,7 +104,9 @@ class LoRAContext:
         self.all_kinds: frozenset = frozenset()
         self.graph_index: torch.Tensor | None = None  # CUDA graphs' static tiles then rows
         self.graph_tiles = 0  # the tiles it holds
-        self.sync: torch.Tensor | None = None  # int32 [2] zeros: gemv.py's one-row products with an adapter
+        # int32 [LoRA layers, GEMV_COPIES, words]: each layer's shrink in a one-row step (GemvLoRA.s),
+        # zeroed before every such forward
+        self.one_row_s: torch.Tensor | None = None
         self.clear()
 
     def clear(self):
@@ -117,6 +120,14 @@ class LoRAContext:
         self._index = index
         self.tiles, self.rows = index[:3 * num_tiles].view(num_tiles, 3), index[3 * num_tiles:]
         self.groups, self.kinds, self.block_m = groups, kinds, block_m
+        if index.numel() == 3 * num_tiles + 1:  # one adapter row: one row's products may take GemvLoRA
+            self.one_row_s.zero_()
+
+    def init_one_row(self, num_layers: int, max_rank: int, device: torch.device):
+        """Allocate where num_layers LoRA layers of at most three slices of rank max_rank pass their
+        one-row shrink (GemvLoRA.s; rows of whole 128-byte lines)."""
+        words = -(-3 * max_rank // 32) * 32
+        self.one_row_s = torch.zeros(num_layers, GEMV_COPIES, words, dtype=torch.int32, device=device)
 
     # ---- CUDA graphs ------------------------------------------------------------------------
 
@@ -139,6 +150,8 @@ class LoRAContext:
             tiles = self.graph_index[:3 * self.graph_tiles].view(-1, 3)[:tile_slots(num_tokens, self.max_loras)]
             rows = self.graph_index[3 * self.graph_tiles:3 * self.graph_tiles + num_tokens]
             self.tiles, self.rows, self.kinds = tiles, rows, kinds
+            if num_tokens == 1:  # the capture's warm-up forward takes GemvLoRA (replays: set_step zeroes)
+                self.one_row_s.zero_()
 
     def write_graph_inputs(self, num_tokens: int) -> frozenset | None:
         """Copy this step's mapping into the static buffers (the planner padded its tiles to
@@ -191,7 +204,8 @@ class LoRALinearMethod(LinearMethod):
 
     def _gemv_lora(self, layer):
         from nanovllm.kernels.gemv import GemvLoRA
-        return GemvLoRA(layer.lora_a, layer.lora_b, self.context.tiles, layer.lora_bounds, self.context.sync)
+        return GemvLoRA(layer.lora_a, layer.lora_b, self.context.tiles, layer.lora_bounds,
+                        self.context.one_row_s[layer.lora_index])
 
 
 def add_lora(context: LoRAContext, layer: nn.Module, y: torch.Tensor, x: torch.Tensor,
