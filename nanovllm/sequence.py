@@ -50,12 +50,14 @@ class Sequence:
         self.logprobs: list | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.num_reported_tokens = self.num_reported_chars = 0  # completion already sent as DELTA outputs
+        self.noise_seed: int | None = None  # the engine's seed for a completion without one (speculative drafts)
 
     @property
     def seed(self) -> int | None:
-        """The seed of this completion's noise: the request's seed + index (as vLLM's parallel sampling)."""
+        """The seed of this completion's noise: the request's seed + index (as vLLM's parallel sampling);
+        without one, noise_seed where the engine set it."""
         seed = self.sampling_params.seed
-        return None if seed is None else seed + self.index
+        return self.noise_seed if seed is None else seed + self.index
 
     def __len__(self):
         return len(self.token_ids)

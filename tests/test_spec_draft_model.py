@@ -1,7 +1,9 @@
 """Speculative decoding with a draft model (speculative_config {"model": ..., "num_speculative_tokens": k}):
 greedy outputs equal the plain engine's with the target as its own draft (every draft accepted) and
 with a different draft (drafts rejected), through chunked prefill, preemption and n > 1; sampled
-tokens keep the target's distribution; a draft of another vocabulary fails up front."""
+drafts drawn with the target's noise (all accepted with the target as its draft, seeded outputs
+the plain engine's); sampled tokens keep the target's distribution; a draft of another vocabulary
+fails up front."""
 import numpy as np
 import pytest
 import torch
@@ -53,8 +55,31 @@ def test_sequences_that_do_not_fit_the_draft_pool_go_without_drafts(tiny_qwen3, 
     assert 0 < m.num_drafts < 30 * len(prompts) / 4 and m.num_accepted_tokens == m.num_draft_tokens
 
 
+@pytest.mark.parametrize("seeded", [True, False])
+def test_sampled_drafts_share_the_targets_noise(tiny_qwen3, seeded):
+    """Sampled completions (temperature, top_p, top_k) with the target as its own draft: the drafts
+    are drawn with the noise the target draws each position with, so every one is accepted, and
+    seeded completions are the plain engine's token for token (an argmax draft would be accepted
+    only where the target's draw is its argmax)."""
+    path, _ = tiny_qwen3
+    prompts = repetitive_prompts() + random_prompts([7, 23, 60], seed=4)
+    params = [SamplingParams(temperature=t, top_p=0.9, top_k=k, max_tokens=24, ignore_eos=True,
+                             seed=100 + i if seeded else None, n=2)
+              for i, (t, k) in enumerate(zip((0.7, 1.0, 1.3, 0.9, 1.0, 2.0), (0, 50, 0, 0, 20, 0)))]
+    spec = LLM(path, **ARGS, speculative_config={"model": path, "num_speculative_tokens": 3})
+    got = outputs(spec, prompts, params)
+    m = spec.engine.spec_metrics
+    assert m.num_drafts > 30 and m.num_accepted_tokens == m.num_draft_tokens
+    if seeded:
+        assert got == outputs(LLM(path, **ARGS), prompts, params)
+    else:  # the engine's seeds differ from completion to completion
+        completions = [tuple(c[0]) for o in got for c in o]
+        assert len(set(completions)) == len(completions)
+
+
 def test_sampled_tokens_with_a_draft_model_keep_the_target_distribution(tmp_path):
-    """As test_spec_decode's chi-square test, with a draft model of other weights proposing its argmax."""
+    """As test_spec_decode's chi-square test, with a draft model of other weights drawing its drafts
+    with the target's noise."""
     vocab, depth, num = 4, 3, 3000
     path, model = tiny_vocab_model(tmp_path / "target", vocab)
     draft, _ = tiny_vocab_model(tmp_path / "draft", vocab, seed=6)

@@ -1,5 +1,6 @@
 """Requests in and out: validating and tokenizing prompts into a Request (its Sequences), and
 a Request's state into the RequestOutput that step() reports."""
+import random
 from dataclasses import dataclass, field
 from numbers import Integral
 
@@ -48,6 +49,9 @@ class Processor:
         self._lora_targets = None
         self.grammars = GrammarCompiler((config.structured_outputs_config or {}).get("backend"), config.tokenizer,
                                         self.vocab_size, config.eos_token_ids)
+        spec = config.speculative_config
+        # a draft model draws its drafts with the noise of the completion's seed (spec_decode/draft_model.py)
+        self._noise_seeds = random.Random(config.seed) if spec is not None and spec.method == "draft_model" else None
 
     def normalize(self, prompts, sampling_params) -> list[tuple[object, SamplingParams]]:
         """A generate call's prompts paired with their SamplingParams (one for all, or one per
@@ -95,8 +99,11 @@ class Processor:
 
     def new_sequence(self, request: Request, index: int) -> Sequence:
         """Completion `index` of `request`, with its detokenizer when text is needed token by token
-        (stop strings, or outputs before the end), and its own grammar matcher (structured outputs)."""
+        (stop strings, or outputs before the end), its own grammar matcher (structured outputs), and
+        with a draft model, a seed of the engine's when the request has none (Sequence.noise_seed)."""
         seq = Sequence(request.prompt_token_ids, request.params, request.request_id, index, request.lora_request)
+        if self._noise_seeds is not None and request.params.seed is None:
+            seq.noise_seed = self._noise_seeds.getrandbits(31)
         if request.grammar is not None:
             seq.grammar = GrammarState(request.grammar)
         params = request.params

@@ -39,7 +39,7 @@ def sampling_tensors(seqs: list[Sequence], device: torch.device, processors: lis
         if any(p.min_p > 0 for p in params):
             st.min_p = dev([p.min_p for p in params], torch.float32)
         seeded = [(row, hash((seq.seed, seq.num_completion_tokens + (draft_offsets[row] if draft_offsets else 0)))
-                   & 0x7FFFFFFF) for row, (seq, p) in enumerate(zip(seqs, params)) if p.seed is not None and p.temperature > 0]
+                   & 0x7FFFFFFF) for row, (seq, p) in enumerate(zip(seqs, params)) if seq.seed is not None and p.temperature > 0]
         st.seeds = (dev([r for r, _ in seeded], torch.int64), dev([s for _, s in seeded], torch.int64)) if seeded else None
     logprob_rows = [row for row, p in enumerate(params) if p.logprobs is not None]
     if logprob_rows:

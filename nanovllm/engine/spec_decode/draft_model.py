@@ -1,4 +1,4 @@
-"""Draft-model proposals: a smaller model of the same vocabulary guesses the next k tokens greedily."""
+"""Draft-model proposals: a smaller model of the same vocabulary guesses the next k tokens."""
 from dataclasses import replace
 
 from nanovllm.config import Config
@@ -44,12 +44,22 @@ class DraftModelProposer(Proposer):
     sequence that speculates has a shadow sequence there: its tokens, with the draft's KV of
     those that are still the sequence's (after a verify step the rejected drafts' KV is truncated).
     A proposal is k steps of the draft: the first runs the tokens it has not computed yet (the
-    whole prompt the first time, else the last verify step's accepted tokens) and takes its
-    argmax, each next one runs that token, on the device (the runner's pending tokens), without
-    waiting for the host. Drafts are the draft's argmax, a point mass whatever the request's
-    temperature: accepting a draft when the target samples it is then exactly the rejection rule,
-    and sampled outputs keep the target's distribution. A sequence whose catch-up does not fit
-    the step budget, or whose KV does not fit the pool, gets no drafts this time."""
+    whole prompt the first time, else the last verify step's accepted tokens) and draws the next
+    token, each next one runs that token, on the device (the runner's pending tokens), without
+    waiting for the host.
+
+    Greedy completions' drafts are the draft's argmax. A sampled completion's are drawn with the
+    target's own noise at their positions: both models sample by Gumbel-max, and a seeded row's
+    noise is a hash of (the completion's seed, the completion index it samples; sampler.py), so
+    the shadow takes the completion's seed, temperature and filters (an unseeded completion has a
+    seed of the engine's for this: Sequence.noise_seed). The target's token at a position is
+    then its own draw whatever the drafts, and accepting a draft where it equals that token keeps
+    the target's distribution exactly (seed for seed, the tokens of the plain engine), while a
+    draft close to the target draws the same token under the same noise far more often than its
+    argmax is drawn at temperature > 0 (coupling by shared noise, rather than Leviathan et al.'s
+    rejection of drafts drawn with noise of their own: no probabilities to keep or compare).
+    A sequence whose catch-up does not fit the step budget, or whose KV does not fit the pool,
+    gets no drafts this time."""
 
     def __init__(self, config: Config):
         self.k = config.speculative_config.num_speculative_tokens
@@ -98,7 +108,9 @@ class DraftModelProposer(Proposer):
         """seq's shadow, made to hold seq's tokens: the draft's KV kept for the longest common prefix
         of what it computed and seq's tokens (a new shadow computes them all)."""
         if shadow is None:
-            return Sequence(seq.token_ids, GREEDY)
+            shadow = Sequence(seq.token_ids, _draft_params(seq))
+            shadow.num_prompt_tokens = seq.num_prompt_tokens  # its rows sample seq's completion indices
+            return shadow
         computed = shadow.num_computed_tokens
         common = next((i for i, (a, b) in enumerate(zip(shadow.token_ids[:computed], seq.token_ids)) if a != b),
                       min(computed, len(seq)))
@@ -110,3 +122,13 @@ class DraftModelProposer(Proposer):
         shadow = self.shadows.pop(seq.seq_id, None)
         if shadow is not None:
             self.block_manager.free(shadow)
+
+
+def _draft_params(seq: Sequence) -> SamplingParams:
+    """How seq's shadow draws its drafts: greedy for a greedy completion, else with seq's
+    temperature, filters and seed (its noise), the processors left out (a completion with some
+    gets no drafts: EngineCore.draft_room)."""
+    sp = seq.sampling_params
+    if sp.temperature == 0 or seq.seed is None:
+        return GREEDY
+    return SamplingParams(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p, seed=seq.seed)
