@@ -166,10 +166,12 @@ class SamplingParams:
     # derived by validate(): `stop` as a tuple, whether a penalty applies, and whether anything but
     # temperature and the filters may shape the logits (penalties, logit_bias, banned or allowed
     # tokens, min_tokens, extra_args for a custom processor, structured_outputs): the logits
-    # processors look only at those
+    # processors look only at those; and whether speculative drafts may be verified (none of the
+    # processors whose state follows one sampled row per sequence: structured outputs may)
     stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
     has_penalties: bool = field(init=False, repr=False, compare=False, default=False)
     needs_processing: bool = field(init=False, repr=False, compare=False, default=False)
+    takes_drafts: bool = field(init=False, repr=False, compare=False, default=True)
 
     def __post_init__(self):
         self.validate()
@@ -239,9 +241,11 @@ class SamplingParams:
                                  f"StructuredOutputsParams(json=schema)), got {type(self.structured_outputs).__name__}")
             self.structured_outputs.validate()
         self.has_penalties = bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
-        self.needs_processing = bool(self.has_penalties or self.logit_bias or self.bad_words or self.allowed_token_ids is not None
-                                     or self.min_tokens or self.extra_args is not None
-                                     or self.structured_outputs is not None)
+        # processors whose state follows one sampled row per sequence; a grammar checks drafts itself
+        one_row = bool(self.has_penalties or self.logit_bias or self.bad_words or self.allowed_token_ids is not None
+                       or self.min_tokens or self.extra_args is not None)
+        self.needs_processing = one_row or self.structured_outputs is not None
+        self.takes_drafts = not one_row
 
     def _unsupported(self):
         if self.best_of is not None and self.best_of != self.n:

@@ -3,8 +3,9 @@ the model's 320 logits, so the padding columns are masked too): the token bitmas
 numpy; constrained greedy completions equal the argmax of transformers' logits under the
 library's own mask, step by step, in a batch with free rows that equal transformers' greedy
 ones; the grammars' stop tokens are the engine's EOS ids; sampled completions validate and repeat
-with their seed; n > 1, preemption, max_tokens, stop strings and the grammar's end; rollback; no
-speculative drafts for a constrained sequence, which decodes beside speculating ones; bad input;
+with their seed; n > 1, preemption, max_tokens, stop strings and the grammar's end; rollback;
+speculative drafts verified under the grammar (right ones all accepted, refused ones none),
+beside free speculating sequences; bad input;
 the scheduler's rule for compiling grammars, beside LoRA's; tensor and data parallelism. On CUDA (skipped
 here): the kernel at Qwen3's size, and the engine with CUDA graphs and truly overlapped steps."""
 import gc
@@ -297,35 +298,40 @@ def test_rollback_takes_tokens_back(llm, tiny):
     assert state.advance(seq) and not state.refused
 
 
-def test_a_constrained_sequence_takes_no_drafts(llm, tiny):
-    """Speculative decoding's seam: add_draft_tokens takes no drafts for a completion with a
-    grammar (its matcher, as every logits processor's state, follows one sampled row per step),
-    while a free sequence decoding beside it takes them; the completion is the one made alone."""
+@pytest.mark.parametrize("right", [True, False], ids=["right-drafts", "wrong-drafts"])
+def test_a_constrained_sequence_verifies_drafts(llm, tiny, right):
+    """Speculative decoding's seam with a grammar: a constrained completion verifies drafts, each
+    draft's row masked by the grammar after the drafts before it. Its own completion's next tokens
+    as drafts (each row then needs the grammar advanced through the drafts before it to sample
+    them) are all accepted; drafts the grammar refuses (EOS, then tokens after it) none; either way
+    the completion is the one made alone, and its matcher has taken exactly its tokens."""
     from nanovllm.sequence import SequenceStatus
     tokenizer = tiny[2]
     engine = llm.engine
     prompt = tokenizer.encode("Alice")
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=json_params())
     [alone] = llm.generate([prompt], params, use_tqdm=False)
-    drafts = list(alone.outputs[0].token_ids)  # the right drafts: refused all the same
+    want = list(alone.outputs[0].token_ids)
     engine.add_request("json", {"prompt_token_ids": prompt}, params)
-    engine.add_request("free", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=40))
-    seq, free = engine.requests["json"].seqs[0], engine.requests["free"].seqs[0]
-    finished, checked = {}, 0
+    seq = engine.requests["json"].seqs[0]
+    metrics, before = engine.spec_metrics, (engine.spec_metrics.num_draft_tokens, engine.spec_metrics.num_accepted_tokens)
+    finished = None
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-        decoding = lambda s: s.status == SequenceStatus.RUNNING and s.num_computed_tokens == len(s) - 1  # noqa: E731
-        if decoding(seq) and decoding(free) and seq.seq_id not in engine.scheduler.drafts:
-            assert engine.add_draft_tokens(seq, drafts[:3]) == 0 and seq.seq_id not in engine.scheduler.drafts
-            checked += engine.add_draft_tokens(free, [1]) == 1
-    assert checked and finished["json"].outputs[0].token_ids == alone.outputs[0].token_ids
+            finished = out if out.finished else finished
+        done = seq.num_completion_tokens  # its last token may still be on the device: want[done - 1]
+        if (seq.status == SequenceStatus.RUNNING and seq.num_computed_tokens == len(seq) - 1
+                and seq.seq_id not in engine.scheduler.drafts and done + 5 < len(want)):
+            assert engine.add_draft_tokens(seq, want[done:done + 3] if right else [EOS, 5, 6]) == 3
+    drafted, accepted = metrics.num_draft_tokens - before[0], metrics.num_accepted_tokens - before[1]
+    assert drafted >= 6 and accepted == (drafted if right else 0)
+    assert finished.outputs[0].token_ids == want
+    assert seq.grammar.num_accepted == len(want) - (want[-1] == EOS)
 
 
 def test_constrained_requests_decode_beside_speculating_ones(tiny):
-    """With speculative_config, a constrained request decodes without drafts in the same steps as a
-    free one that verifies n-gram drafts; both completions are the ones made without speculation."""
+    """With speculative_config, a constrained request verifies n-gram drafts in the same steps as a
+    free one; both completions are the ones made without speculation."""
     path, _, tokenizer = tiny
     prompts = [tokenizer.encode("Alice"), tokenizer.encode("Bob and Bob and Bob and Bob and")]
     params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=json_params()),

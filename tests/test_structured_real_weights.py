@@ -83,3 +83,25 @@ def test_structured_outputs_on_real_weights(llm):
                 assert isinstance(json.loads(c.text), dict)
     assert len({c.text for c in outs[1].outputs}) > 1
     assert preemptions > 0
+
+
+def test_json_extraction_with_ngram_speculation(llm):
+    """An extraction whose values copy the prompt, constrained by a schema, with n-gram drafts
+    (each draft's row masked by the grammar after the drafts before it): the completion is the
+    plain engine's, valid, and drafts of it were accepted."""
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer"}, "sku": {"type": "string"},
+        "quantity": {"type": "integer"}, "address": {"type": "string"}},
+        "required": ["name", "age", "sku", "quantity", "address"], "additionalProperties": False}
+    prompt = chat(llm, "Extract the order as JSON with name, age, sku, quantity and address: the customer Maria "
+                       "Gonzalez, aged 34, ordered 3 units of product SKU-88412 to be shipped to 221 Baker "
+                       "Street, London NW1 6XE.")
+    params = SamplingParams(temperature=0, max_tokens=100, structured_outputs=StructuredOutputsParams(json=schema))
+    [plain] = llm.generate([prompt], params, use_tqdm=False)
+    spec = LLM(demo_model_path(), device="cpu", kvcache_block_size=16, num_kvcache_blocks=20, max_model_len=320,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                                   "prompt_lookup_min": 2})
+    [ours] = spec.generate([prompt], params, use_tqdm=False)
+    assert ours.outputs[0].token_ids == plain.outputs[0].token_ids
+    jsonschema.validate(json.loads(ours.outputs[0].text), schema)
+    assert "Maria Gonzalez" in ours.outputs[0].text and spec.engine.spec_metrics.num_accepted_tokens > 5

@@ -106,10 +106,13 @@ class EngineCore(EngineBase):
         from every known token (engine/spec_decode/speculator.py says why).
         """
         outputs = []
-        if self.speculator is not None and self.speculator.active(self.scheduler):
-            if self._inflight is not None:
-                previous, self._inflight = self._inflight, None
-                outputs = self._process(*previous)
+        speculate = self.speculator is not None and self.speculator.active(self.scheduler)
+        # a step after verify runs waits for them too: a plain row of theirs would follow k + 1
+        # tokens still on the device, of which the grammar's mask (structured outputs) needs them all
+        if (speculate or (self._inflight is not None and self._inflight[0].runs)) and self._inflight is not None:
+            previous, self._inflight = self._inflight, None
+            outputs = self._process(*previous)
+        if speculate:
             with region("propose"):
                 self.speculator.propose(self)
         with region("scheduling"):
@@ -150,8 +153,8 @@ class EngineCore(EngineBase):
         up to a stop. Returns how many drafts it takes: those that leave its last token before
         max_tokens and max_model_len to a plain step, and fit in a step (max_num_batched_tokens);
         0 where seq cannot verify drafts now (not decoding: in prefill, preempted or finished; or
-        with logits processors, whose state follows one sampled row per sequence: penalties,
-        structured outputs' grammar matcher, ...).
+        with logits processors whose state follows one sampled row per sequence: penalties,
+        min_tokens, ...; a structured output's grammar masks each draft's row itself).
         ValueError, nothing taken, for ids outside the vocabulary or a sequence with drafts already."""
         vocab_size = self.config.hf_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab_size for t in draft_token_ids):
@@ -168,7 +171,7 @@ class EngineCore(EngineBase):
         """How many drafts seq can verify in its next step (add_draft_tokens takes at most this many);
         0 or less where it can take none."""
         cfg, sp = self.config, seq.sampling_params
-        if seq.status != SequenceStatus.RUNNING or seq.num_computed_tokens != len(seq) - 1 or sp.needs_processing:
+        if seq.status != SequenceStatus.RUNNING or seq.num_computed_tokens != len(seq) - 1 or not sp.takes_drafts:
             return 0
         limit = cfg.max_model_len if sp.max_tokens is None else min(cfg.max_model_len,
                                                                      seq.num_prompt_tokens + sp.max_tokens)

@@ -168,7 +168,8 @@ class ModelRunner:
         st = None
         if seqs:
             with region("sampling"):
-                st = self.sampler.prepare(seqs, self._prev_rows, self._prev_sampled, draft_offsets(runs, len(seqs)))
+                st = self.sampler.prepare(seqs, self._prev_rows, self._prev_sampled, draft_offsets(runs, len(seqs)),
+                                          {seq.seq_id: run for seq, _, run in runs})
         if self.workers is None:
             out, prompt_lp = self.execute(plan, self._prev_sampled, st)
         else:

@@ -11,21 +11,23 @@ from nanovllm.sequence import Sequence
 
 def sampling_tensors(seqs: list[Sequence], device: torch.device, processors: list[LogitsProcessor],
                      prev_rows: dict[int, int], prev_sampled: torch.Tensor | None, vocab_size: int,
-                     draft_offsets: list[int] | None = None) -> SamplingTensors:
+                     draft_offsets: list[int] | None = None, drafts: dict[int, list[int]] | None = None
+                     ) -> SamplingTensors:
     """The step's SamplingTensors. A seeded row's noise is hashed from (its seed, the completion
     index of the token it samples: the sequence's completion length, plus draft_offsets[row] where
     given), so it repeats whatever the batch and after a preemption; a verify run's rows (its
     sequence on consecutive rows, engine/step_inputs.plan_step) sample the positions after each of
-    its drafts. processors: in the order they apply; each prepares the rows that carry it
-    (LogitsProcessor.prepare), among those whose params need processing (never a verify run's:
-    their state follows one row per sequence). A completion token not read back yet (PLACEHOLDER,
+    its drafts (drafts: seq_id -> a run's drafts). processors: in the order they apply; each
+    prepares the rows that carry it (LogitsProcessor.prepare), among those whose params need
+    processing (a verify run's only for a grammar: SamplingParams.takes_drafts). A completion
+    token not read back yet (PLACEHOLDER,
     the last one) is prev_sampled[prev_rows[seq_id]] on the device. vocab_size: the logits' width
     (a top_k at or above it is no top-k, as vLLM's). Every field empty when every row is plain greedy."""
     params = [seq.sampling_params for seq in seqs]
     st = SamplingTensors()
     if not any(p.temperature > 0 or p.needs_processing or p.logprobs is not None for p in params):
         return st
-    batch = StepBatch(seqs, device, prev_rows, prev_sampled)
+    batch = StepBatch(seqs, device, prev_rows, prev_sampled, draft_offsets, drafts)
     dev = batch.upload
     if any(p.temperature > 0 for p in params):
         st.temperatures = dev([p.temperature for p in params], torch.float32)

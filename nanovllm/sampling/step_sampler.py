@@ -26,10 +26,10 @@ class StepSampler:
                            for cls in processors.PROCESSORS]
 
     def prepare(self, seqs: list[Sequence], prev_rows: dict[int, int], prev_sampled: torch.Tensor | None,
-                draft_offsets: list[int] | None = None) -> SamplingTensors:
+                draft_offsets: list[int] | None = None, drafts: dict[int, list[int]] | None = None) -> SamplingTensors:
         """The SamplingTensors of seqs, the step's sampled sequences in row order (see sampling_tensors)."""
         st = sampling_tensors(seqs, self.device, self.processors, prev_rows, prev_sampled, self.vocab_size,
-                              draft_offsets)
+                              draft_offsets, drafts)
         st.from_shards = self.lm_head.tp_size > 1 and draws_from_shards(st)
         return st
 

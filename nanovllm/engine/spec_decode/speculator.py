@@ -32,7 +32,8 @@ class Speculator:
     itself (an n-gram's continuation that reaches the end of the sequence is a period of it), an
     empty one is the last token k times. At the batch sizes that speculate the extra rows cost
     little: a decode step's time is the weights' read. Where some decoding sequence cannot take k
-    (within k + 2 tokens of its max_tokens, or with logits processors: EngineCore.draft_room), or
+    (within k + 2 tokens of its max_tokens, or with a logits processor other than a grammar:
+    EngineCore.draft_room), or
     the step's budget (max_num_batched_tokens) cannot hold 1 + k tokens for each, no sequence gets
     drafts that step: an eager step of a model's every kernel costs more than the drafts would
     win (a batch's every sequence passes its last k tokens so)."""
@@ -59,7 +60,7 @@ class Speculator:
         """Give each decoding sequence that can verify drafts (EngineCore.add_draft_tokens says which)
         the proposer's drafts."""
         decoding = [seq for seq in engine.scheduler.running if seq.num_computed_tokens == len(seq) - 1]
-        seqs = [seq for seq in decoding if not seq.sampling_params.needs_processing]
+        seqs = [seq for seq in decoding if seq.sampling_params.takes_drafts]
         k = self.spec.num_speculative_tokens
         if not seqs or (self.uniform and ((1 + k) * len(decoding) > self.budget
                                           or any(engine.draft_room(seq) < k for seq in decoding))):

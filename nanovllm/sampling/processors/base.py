@@ -24,11 +24,15 @@ class StepBatch:
     (only the last one can be): its value is on the device (last_sampled)."""
 
     def __init__(self, seqs: list[Sequence], device: torch.device, prev_rows: dict[int, int],
-                 prev_sampled: torch.Tensor | None):
+                 prev_sampled: torch.Tensor | None, draft_offsets: list[int] | None = None,
+                 drafts: dict[int, list[int]] | None = None):
         """prev_rows: seq_id -> row of prev_sampled, the previous step's sampled tokens [M] int64 on
-        the device (None when that step sampled nothing)."""
+        the device (None when that step sampled nothing). A verify run's sequence is on several
+        consecutive rows: draft_offsets[row], how many of its drafts (drafts[seq_id]) come
+        before the position the row samples (None: no run in the step, every offset 0)."""
         self.seqs, self.device = seqs, device
         self.prev_rows, self.prev_sampled = prev_rows, prev_sampled
+        self.draft_offsets, self.drafts = draft_offsets, drafts or {}
 
     def upload(self, values, dtype: torch.dtype) -> torch.Tensor:
         """A list (or array) of numbers as a tensor of dtype on the device, copied without waiting."""

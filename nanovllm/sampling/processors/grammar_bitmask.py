@@ -22,10 +22,13 @@ from nanovllm.sequence import PLACEHOLDER, Sequence
 
 @dataclass
 class GrammarStep:
-    """The constrained rows of a step: their sequences (each with its GrammarState, seq.grammar)
-    and their rows [R] int64 of the logits, on the device."""
+    """The constrained rows of a step: their sequences (each with its GrammarState, seq.grammar),
+    their rows [R] int64 of the logits, on the device, and the drafts before each row's position
+    (offsets[i] of drafts[seq_id], a verify run's rows; 0 elsewhere)."""
     seqs: list[Sequence]
     rows: torch.Tensor
+    offsets: list[int]
+    drafts: dict[int, list[int]]
 
 
 class GrammarBitmask(LogitsProcessor):
@@ -50,21 +53,46 @@ class GrammarBitmask(LogitsProcessor):
         return params.structured_outputs is not None
 
     def prepare(self, batch: StepBatch, rows: list[int]) -> GrammarStep:
-        return GrammarStep([batch.seqs[row] for row in rows], batch.upload(rows, torch.int64))
+        offsets = [batch.draft_offsets[row] for row in rows] if batch.draft_offsets else [0] * len(rows)
+        return GrammarStep([batch.seqs[row] for row in rows], batch.upload(rows, torch.int64), offsets, batch.drafts)
 
     def apply(self, logits: torch.Tensor, state: GrammarStep):
-        seqs = state.seqs
+        """The rows' masks, draft position by draft position: a verify run's row j is masked by the
+        grammar after the run's first j drafts, which the matcher takes while the row before
+        allows them (and gives back once every row is filled); rows after a draft the grammar
+        does not allow get EOS alone, which nothing reads: the target cannot sample that draft."""
+        seqs, offsets = state.seqs, state.offsets
         last = self._last_tokens(seqs)
         bitmask = self._host_bitmask(len(seqs))
         host = bitmask.numpy()
-        live = []
-        for i, seq in enumerate(seqs):
-            if seq.grammar.advance(seq, last.get(seq.seq_id)):
-                host[i] = self.eos_row
-            else:
-                live.append(i)
-        if live:
-            seqs[live[0]].grammar.grammar.backend.fill_bitmask([seqs[i].grammar.matcher for i in live], bitmask, live)
+        levels: dict[int, list[int]] = {}
+        for i, offset in enumerate(offsets):
+            levels.setdefault(offset, []).append(i)
+        row_of: dict[int, int] = {}  # seq_id -> its row at the previous level
+        taken: dict[int, int] = {}  # seq_id -> drafts its matcher took, given back at the end
+        for offset in sorted(levels):
+            live = []
+            for i in levels[offset]:
+                seq = seqs[i]
+                if offset == 0:
+                    done = seq.grammar.advance(seq, last.get(seq.seq_id))
+                else:
+                    before = row_of[seq.seq_id]
+                    done = before < 0 or not self._take_draft(seq, state.drafts[seq.seq_id][offset - 1], host[before])
+                    if not done:
+                        taken[seq.seq_id] = offset
+                if done:
+                    host[i] = self.eos_row
+                    row_of[seq.seq_id] = -1  # its later rows: EOS alone
+                else:
+                    live.append(i)
+                    row_of[seq.seq_id] = i
+            if live:
+                seqs[live[0]].grammar.grammar.backend.fill_bitmask([seqs[i].grammar.matcher for i in live], bitmask,
+                                                                   live)
+        for seq in {seq.seq_id: seq for seq in seqs}.values():
+            if taken.get(seq.seq_id):
+                seq.grammar.matcher.rollback(taken[seq.seq_id])
         mask = bitmask[:len(seqs)].to(logits.device, non_blocking=True)
         if self.uploaded is not None:
             self.uploaded.record()
@@ -84,6 +112,15 @@ class GrammarBitmask(LogitsProcessor):
 
     def reset(self):
         self.last = ({}, None)
+
+    def _take_draft(self, seq: Sequence, token: int, allowed) -> bool:
+        """Feed seq's matcher a draft that allowed (the mask row [num_words] int32 of the position
+        before it) allows; False, nothing taken, where it does not, or for EOS (the completion
+        ends there: what follows is never read)."""
+        if token in self.eos_token_ids or not (int(allowed[token >> 5]) >> (token & 31)) & 1:
+            return False
+        seq.grammar.matcher.accept(token)  # allowed: it cannot refuse
+        return True
 
     def _last_tokens(self, seqs: list[Sequence]) -> dict[int, int]:
         """seq_id -> the token each of seqs sampled in the previous step, for those whose last
