@@ -2,7 +2,8 @@
 GGUF, nanovllm/loader/demo.py) on the CPU or GPU, greedy, on three kinds of prompt: editing given
 code, summarising a given passage, and free chat. For each: the mean acceptance length (tokens per
 verify run), per-position acceptance, the share of decode steps that verified drafts, tokens/s
-with and without speculation on this machine, and a check that the outputs are the same.
+with and without speculation on this machine, and a check that the outputs are the same. A fourth
+prompt extracts JSON from a given text under a JSON schema (structured outputs).
 
     PYTHONPATH=. python benchmarks/spec_acceptance.py [--spec '{"method": "ngram", "num_speculative_tokens": 4,
         "prompt_lookup_max": 4, "prompt_lookup_min": 2}'] [--max-tokens 160]
@@ -11,7 +12,7 @@ import argparse
 import json
 import time
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.loader.demo import demo_model_path
 
 CODE = '''def moving_average(values, window):
@@ -40,7 +41,14 @@ PROMPTS = {
                     f"the code as it is. Reply with the whole code.\n\n```python\n{CODE}```",
     "summary": f"Summarise this passage in three sentences, reusing its wording:\n\n{PASSAGE}",
     "free chat": "What are three good habits for someone learning to program? Answer briefly.",
+    "JSON extraction": "Extract the order as JSON with name, age, sku, quantity and address: the customer Maria "
+                       "Gonzalez, aged 34, ordered 3 units of product SKU-88412 to be shipped to 221 Baker Street, "
+                       "London NW1 6XE.",
 }
+SCHEMAS = {"JSON extraction": {  # constrained: each draft's row masked by the grammar after the drafts before it
+    "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "sku": {"type": "string"},
+                                     "quantity": {"type": "integer"}, "address": {"type": "string"}},
+    "required": ["name", "age", "sku", "quantity", "address"], "additionalProperties": False}}
 
 
 def counts(llm) -> dict:
@@ -55,12 +63,14 @@ def main():
     p.add_argument("--device", default="auto")
     args = p.parse_args()
     path = demo_model_path()
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     plain = LLM(path, device=args.device, max_model_len=2048)
     spec = LLM(path, device=args.device, max_model_len=2048, speculative_config=args.spec)
     print(f"speculative_config {json.dumps(args.spec)}; greedy, max_tokens {args.max_tokens}")
     for kind, prompt in PROMPTS.items():
         messages = [{"role": "user", "content": prompt}]
+        schema = SCHEMAS.get(kind)
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=schema and
+                                StructuredOutputsParams(json=schema))
         before = counts(spec)
         t = time.perf_counter()
         ours = spec.chat(messages, params, use_tqdm=False)[0].outputs[0]
