@@ -109,7 +109,7 @@ class EngineCore(EngineBase):
         speculate = self.speculator is not None and self.speculator.active(self.scheduler)
         # a step after verify runs waits for them too: a plain row of theirs would follow k + 1
         # tokens still on the device, of which the grammar's mask (structured outputs) needs them all
-        if (speculate or (self._inflight is not None and self._inflight[0].runs)) and self._inflight is not None:
+        if self._inflight is not None and (speculate or self._inflight[0].runs):
             previous, self._inflight = self._inflight, None
             outputs = self._process(*previous)
         if speculate:
