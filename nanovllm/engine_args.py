@@ -53,8 +53,11 @@ class SpeculativeConfig:
         spec = dict(spec)
         method = spec.setdefault("method", "draft_model" if spec.get("model") is not None else None)
         if method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config method must be one of {list(SPECULATIVE_METHODS)} (or a \"model\" "
-                             f"for a draft model), got {method!r}")
+            allowed = ('"ngram" or "draft_model" (a "model" alone means a draft model; "replay" is a synthetic '
+                       'proposer for benchmarks)')
+            if method is None:
+                raise ValueError(f"speculative_config needs a method: {allowed}")
+            raise ValueError(f"speculative_config method {method!r} is not supported: use {allowed}")
         if (method == "draft_model") != (spec.get("model") is not None):
             raise ValueError(f"speculative_config: a \"model\" goes with method \"draft_model\" only, "
                              f"got method {method!r} and model {spec.get('model')!r}")

@@ -249,8 +249,9 @@ def test_tensor_parallel_with_ngram_speculation(tiny_qwen3):
 
 
 @pytest.mark.parametrize("spec,error", [
-    ({"num_speculative_tokens": 3}, "method must be one of"),
-    ({"method": "medusa", "num_speculative_tokens": 3}, "method must be one of"),
+    ({"num_speculative_tokens": 3}, "needs a method"),
+    ({"method": "medusa", "num_speculative_tokens": 3}, "'medusa' is not supported"),
+    ({"method": "eagle3", "num_speculative_tokens": 3}, "'eagle3' is not supported"),
     ({"method": "ngram"}, "num_speculative_tokens must be a positive integer"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
