@@ -5,7 +5,7 @@
 # moe (one GPU: the MoE kernel and engine tests, benchmarks/moe.py, bench.py on Qwen3-30B-A3B:
 # default workload, one sequence, one sequence with float8 weights), moe-parallel (two GPUs:
 # bench.py on Qwen3-30B-A3B at TP 1 and 2, and 2 with expert parallelism; the MoE engine
-# tests' tp2 and ep2 cases), lora (LoRA's tests, its kernels' cost per layer,
+# tests' tp2 and ep2 cases), lora (LoRA's tests, its kernels' cost per layer and per one-row product,
 # bench.py with and without adapters: throughput and latency), structured (structured outputs:
 # its tests, the host's mask work per step, bench.py --structured json all rows / half the rows /
 # with xgrammar; needs llguidance, xgrammar and jsonschema, and a Qwen3 tokenizer folder,
@@ -37,6 +37,7 @@ fi
 if [[ $stage == lora ]]; then
   python -m pytest -q tests/test_lora_kernels.py tests/test_lora_gpu.py 2>&1 | tee "$out/lora_tests.log" | tail -15
   python benchmarks/lora_kernels.py 2>&1 | grep -v Warn | tee "$out/lora_kernels.log"
+  python benchmarks/gemv_lora.py 2>&1 | grep -v Warn | tee "$out/gemv_lora.log"
   for run in "base" "lora8 --lora 8 --lora-rank 16" "latency --latency" "latency_lora1 --latency --lora 1 --lora-rank 16" \
              "latency_lora1_qv --latency --lora 1 --lora-rank 16 --lora-targets q_proj v_proj"; do
     set -- $run
