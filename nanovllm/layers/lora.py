@@ -4,8 +4,9 @@ of a step whose request runs an adapter, with many adapters in one step.
 LoRALinearMethod wraps a layer's own method (unquantized, FP8, with its fused norm and gate
 paths): the base product first, then the adapters' delta added into its output, for the rows
 that carry one only (kernels/lora.py); a one-row product (a decode step of one sequence) takes
-its adapter inside the base product's own launch instead (kernels/gemv.py's GemvLoRA). A layer's adapters sit in a slot table on the device
-(lora_a, lora_b: one entry per slot, add_lora_weights), filled by the engine's LoRAManager. What
+its adapter inside the base product's own launch instead (kernels/gemv.py's GemvLoRA). A layer's
+adapters sit in a slot table on the device (lora_a, lora_b: one entry per slot,
+add_lora_weights), filled by the engine's LoRAManager. What
 a step's rows run is the LoRAContext that every wrapper shares: set by the ModelRunner before
 each forward, and under CUDA graphs static buffers written before each replay, as the attention
 backend's graph metadata.

@@ -33,10 +33,9 @@ class Speculator:
     empty one is the last token k times. At the batch sizes that speculate the extra rows cost
     little: a decode step's time is the weights' read. Where some decoding sequence cannot take k
     (within k + 2 tokens of its max_tokens, or with a logits processor other than a grammar:
-    EngineCore.draft_room), or
-    the step's budget (max_num_batched_tokens) cannot hold 1 + k tokens for each, no sequence gets
-    drafts that step: an eager step of a model's every kernel costs more than the drafts would
-    win (a batch's every sequence passes its last k tokens so)."""
+    EngineCore.draft_room), or the step's budget (max_num_batched_tokens) cannot hold 1 + k
+    tokens for each, no sequence gets drafts that step: an eager step of a model's every kernel
+    costs more than the drafts would win (a batch's every sequence passes its last k tokens so)."""
 
     def __init__(self, config, proposer: Proposer, metrics: SpecDecodeMetrics, uniform: bool = False):
         self.spec, self.uniform, self.budget = config.speculative_config, uniform, config.max_num_batched_tokens

@@ -69,7 +69,7 @@ class GrammarBitmask(LogitsProcessor):
         for i, offset in enumerate(offsets):
             levels.setdefault(offset, []).append(i)
         row_of: dict[int, int] = {}  # seq_id -> its row at the previous level
-        taken: dict[int, int] = {}  # seq_id -> drafts its matcher took, given back at the end
+        taken: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (seq, drafts its matcher took): given back
         for offset in sorted(levels):
             live = []
             for i in levels[offset]:
@@ -80,7 +80,7 @@ class GrammarBitmask(LogitsProcessor):
                     before = row_of[seq.seq_id]
                     done = before < 0 or not self._take_draft(seq, state.drafts[seq.seq_id][offset - 1], host[before])
                     if not done:
-                        taken[seq.seq_id] = offset
+                        taken[seq.seq_id] = seq, offset
                 if done:
                     host[i] = self.eos_row
                     row_of[seq.seq_id] = -1  # its later rows: EOS alone
@@ -90,9 +90,8 @@ class GrammarBitmask(LogitsProcessor):
             if live:
                 seqs[live[0]].grammar.grammar.backend.fill_bitmask([seqs[i].grammar.matcher for i in live], bitmask,
                                                                    live)
-        for seq in {seq.seq_id: seq for seq in seqs}.values():
-            if taken.get(seq.seq_id):
-                seq.grammar.matcher.rollback(taken[seq.seq_id])
+        for seq, num_drafts in taken.values():
+            seq.grammar.matcher.rollback(num_drafts)
         mask = bitmask[:len(seqs)].to(logits.device, non_blocking=True)
         if self.uploaded is not None:
             self.uploaded.record()
