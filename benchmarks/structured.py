@@ -1,8 +1,8 @@
 """Structured outputs: the JSON schemas of bench.py's --structured json workload, the grammar
 compile report it prints, and (run as a script) the host's work per step for the grammar bitmask
 alone, which needs no GPU: R completions walk their schemas with random allowed tokens (as dummy
-weights sample), and each step times what GrammarBitmask.apply does on the host (each matcher
-takes its token, then the bitmask is filled on the library's threads).
+weights sample), and each step times what GrammarBitmask.apply does on the host (the matchers take
+their tokens, then the bitmask is filled on the library's threads).
 
     python benchmarks/structured.py --tokenizer DIR [--rows 256] [--steps 200] [--backend guidance]
 
@@ -164,7 +164,7 @@ def main():
     from transformers import AutoTokenizer
 
     from nanovllm.sampling.structured.compiler import GrammarCompiler
-    from nanovllm.sampling.structured.state import GrammarState
+    from nanovllm.sampling.structured.state import GrammarState, advance_all
     from nanovllm.sequence import Sequence
     from nanovllm.sampling_params import SamplingParams
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -190,8 +190,7 @@ def main():
         if not live:
             break
         start = time.perf_counter()
-        for seq in live:
-            seq.grammar.advance(seq)
+        advance_all(live, {})
         middle = time.perf_counter()
         live = [s for s in live if not s.grammar.finished]
         if not live:

@@ -143,13 +143,19 @@ def reference(hf, backend: str, tokenizer, prompt, params: StructuredOutputsPara
     return ids[len(prompt):], False
 
 
-def test_constrained_greedy_is_the_masked_argmax(llm, tiny):
+@pytest.mark.parametrize("parallel_accept", [False, True], ids=["tokens_one_by_one", "tokens_on_threads"])
+def test_constrained_greedy_is_the_masked_argmax(llm, tiny, parallel_accept, monkeypatch):
     """A batch of JSON-schema, regex, choice, Lark and GBNF rows between free rows: each constrained
     row's tokens are the argmax of transformers' logits under its grammar's mask, step by step,
     ending ("stop") where the grammar is complete; free rows equal transformers' greedy ones.
-    Constrained tokens stay inside the tokenizer's 300 ids, and their text satisfies the constraint."""
+    Constrained tokens stay inside the tokenizer's 300 ids, and their text satisfies the constraint.
+    With llguidance, each step's tokens taken one by one and on the library's threads."""
     path, hf, tokenizer = tiny
     backend = llm.config.structured_outputs_config["backend"]
+    if parallel_accept and backend != "guidance":
+        pytest.skip("only llguidance takes a step's tokens on its threads")
+    if backend == "guidance":
+        monkeypatch.setattr(llm.engine.processor.grammars._backend(), "parallel_accept", parallel_accept)
     constraints = [json_params(), None, StructuredOutputsParams(regex=REGEX),
                    StructuredOutputsParams(choice=["red", "green", "blue"]), None,
                    StructuredOutputsParams(grammar=LARK), StructuredOutputsParams(grammar=GBNF)]

@@ -17,6 +17,7 @@ import torch
 
 from nanovllm.sampling.processors.base import LogitsProcessor, StepBatch
 from nanovllm.sampling.structured.backend import token_bits
+from nanovllm.sampling.structured.state import advance_all
 from nanovllm.sequence import PLACEHOLDER, Sequence
 
 
@@ -72,10 +73,12 @@ class GrammarBitmask(LogitsProcessor):
         taken: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (seq, drafts its matcher took): given back
         for offset in sorted(levels):
             live = []
+            if offset == 0:
+                finished = dict(zip(levels[0], advance_all([seqs[i] for i in levels[0]], last)))
             for i in levels[offset]:
                 seq = seqs[i]
                 if offset == 0:
-                    done = seq.grammar.advance(seq, last.get(seq.seq_id))
+                    done = finished[i]
                 else:
                     before = row_of[seq.seq_id]
                     done = before < 0 or not self._take_draft(seq, state.drafts[seq.seq_id][offset - 1], host[before])

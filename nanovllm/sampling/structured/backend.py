@@ -61,6 +61,10 @@ class GrammarBackend:
     def matcher(self, compiled) -> Matcher:
         raise NotImplementedError
 
+    def accept_tokens(self, matchers: list[Matcher], tokens: list[int]) -> list[bool]:
+        """matchers[i].accept(tokens[i]) for every i (a step's one new token per completion)."""
+        return [m.accept(t) for m, t in zip(matchers, tokens)]
+
     def fill_bitmask(self, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Write into rows of bitmask (host int32 [B, ceil(vocab_size / 32)], bit t of word w allows
         token 32 w + t) the tokens each matcher allows next, all rows at once on the library's threads."""

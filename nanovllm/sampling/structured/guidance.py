@@ -1,6 +1,8 @@
 """llguidance (Microsoft's Guidance engine, https://github.com/guidance-ai/llguidance) behind
 structured outputs: its grammars are built lazily, so "compiling" a schema is parsing it (ms),
 and each mask is computed from the lexer's state over a token trie, in Rust, on its own threads."""
+import os
+
 import llguidance
 import llguidance.hf
 import torch
@@ -35,6 +37,9 @@ class GuidanceBackend(GrammarBackend):
             raise ValueError(f"structured outputs with llguidance need a fast (Rust) tokenizer; this model's is "
                              f"{type(tokenizer).__name__}")
         self.ll_tokenizer = self.executor = None
+        # a step's tokens taken on the library's threads pays with many cores, 207 rows: 0.59 against
+        # 0.90 ms one by one on a 16-core host; 0.75 against 0.59 ms on 2 cores (benchmarks/structured.py)
+        self.parallel_accept = (os.cpu_count() or 1) >= 8
 
     def source(self, params: StructuredOutputsParams) -> str:
         """The llguidance grammar (its JSON text) of params; ValueError naming the field that is invalid."""
@@ -72,6 +77,11 @@ class GuidanceBackend(GrammarBackend):
 
     def matcher(self, compiled: llguidance.LLMatcher) -> GuidanceMatcher:
         return GuidanceMatcher(compiled.deep_copy())
+
+    def accept_tokens(self, matchers: list[GuidanceMatcher], tokens: list[int]) -> list[bool]:
+        if not self.parallel_accept:
+            return super().accept_tokens(matchers, tokens)
+        return self.executor.consume_token_par([(m.matcher, t) for m, t in zip(matchers, tokens)])
 
     def fill_bitmask(self, matchers: list[GuidanceMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
         # llguidance.torch.fill_next_token_bitmask_par without importing llguidance.torch, whose

@@ -57,9 +57,7 @@ class GrammarState:
                     break
                 token = last
             if not matcher.accept(token):
-                self.refused = True
-                logger.warning("request %s: its grammar does not allow token %d, which its other constraints left "
-                               "as the only choice; the completion ends", seq.request_id, token)
+                self._refuse(seq, token)
                 break
             self.num_accepted += 1
         return self.finished
@@ -68,3 +66,33 @@ class GrammarState:
         """Take back the last num_tokens accepted tokens."""
         self.matcher.rollback(num_tokens)
         self.num_accepted -= num_tokens
+
+    def _refuse(self, seq: Sequence, token: int) -> None:
+        self.refused = True
+        logger.warning("request %s: its grammar does not allow token %d, which its other constraints left as the "
+                       "only choice; the completion ends", seq.request_id, token)
+
+
+def advance_all(seqs: list[Sequence], last: dict[int, int]) -> list[bool]:
+    """GrammarState.advance of each of seqs (last: seq_id -> the value of a trailing PLACEHOLDER);
+    the completions with one token to take (a step's) hand it to the backend together, which may
+    take them on its own threads. Returns each one's finished."""
+    batch, tokens = [], []
+    for seq in seqs:
+        state, token = seq.grammar, seq.token_ids[-1]
+        if token == PLACEHOLDER:
+            token = last.get(seq.seq_id)
+        if (state.matcher is not None and token is not None and not state.finished
+                and len(seq.token_ids) == seq.num_prompt_tokens + state.num_accepted + 1):
+            batch.append(seq)
+            tokens.append(token)
+        else:
+            state.advance(seq, last.get(seq.seq_id))
+    if batch:
+        accepted = batch[0].grammar.grammar.backend.accept_tokens([seq.grammar.matcher for seq in batch], tokens)
+        for seq, token, ok in zip(batch, tokens, accepted):
+            if ok:
+                seq.grammar.num_accepted += 1
+            else:
+                seq.grammar._refuse(seq, token)
+    return [seq.grammar.finished for seq in seqs]
