@@ -15,7 +15,10 @@ and the KV cache's size in tokens.
 --lora N --lora-rank R: N random PEFT LoRA adapters of rank R (on the --lora-targets projections,
 default all seven) written to a temporary directory, prompt i running adapter i % N; the engine
 gets enable_lora=True, max_loras=N, max_lora_rank=R (the floor is the base model's: compare
-tokens/s with the same command without --lora).
+tokens/s with the same command without --lora). The warm-up runs each adapter once, so the timed run
+finds them loaded (as a workload that reuses its adapters does after its first requests); the
+seconds that first use took are reported (lora_warmup_seconds: reading N adapters from disk and
+one short prefill each).
 --speculative-config JSON: speculative decoding (the engine's speculative_config), e.g.
 '{"method": "ngram", "num_speculative_tokens": 4}'; printed: the mean acceptance length (tokens per
 verify run), per-position acceptance and the share of the wall time spent proposing. With
@@ -270,8 +273,13 @@ def run_nanovllm(args, prompts, max_tokens):
     # router gives equal prompts to the least loaded one), or --warmup-seqs of the workload's prompts
     warm = prompts[:args.warmup_seqs] or [[1, 2, 3]] * args.data_parallel_size
     llm.generate(warm, SamplingParams(max_tokens=16, **sampling), use_tqdm=False, lora_request=loras[:len(warm)])
-    if args.lora:  # compiles the LoRA kernels' prefill tiles (steps of more than 128 adapter rows)
-        llm.generate([[1] * 300], SamplingParams(max_tokens=1), use_tqdm=False, lora_request=loras[0])
+    warmup = {}
+    if args.lora:  # loads every adapter; compiles the LoRA kernels' prefill tiles (steps of more than 128 adapter rows)
+        t = time.perf_counter()
+        llm.generate([[1] * 300] * args.lora, SamplingParams(max_tokens=1), use_tqdm=False,
+                     lora_request=loras[:args.lora])
+        warmup["lora_warmup_seconds"] = round(time.perf_counter() - t, 3)
+        print(f"LoRA warm-up: {args.lora} adapters read and run once in {warmup['lora_warmup_seconds']:.2f} s")
     spec = llm.config.speculative_config  # resolved: its method, defaults filled in
     if spec and spec.method == "replay":  # the recording run: each prompt's greedy completion
         llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
@@ -294,7 +302,7 @@ def run_nanovllm(args, prompts, max_tokens):
         llm.reset_prefix_cache()
         step_stats(llm, prompts, params, loras)
     blocks = llm.engine.model_runner.num_kvcache_blocks if args.data_parallel_size == 1 else None
-    return seconds, {"startup_seconds": round(startup, 2), "num_kvcache_blocks": blocks, **details}
+    return seconds, {"startup_seconds": round(startup, 2), "num_kvcache_blocks": blocks, **warmup, **details}
 
 
 def spec_counts(llm) -> dict:

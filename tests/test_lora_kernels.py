@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 from nanovllm.kernels.fp8 import quantize_fp8  # noqa: E402
 from nanovllm.kernels.gemv import GemvLoRA, gemv, norm_gemv  # noqa: E402
-from nanovllm.kernels.lora import MAX_SPLIT_K, lora_expand, lora_shrink, split_k_for  # noqa: E402
+from nanovllm.kernels.lora import MAX_SPLIT_K, SPLIT_K_PROGRAMS, lora_expand, lora_shrink, split_k_for  # noqa: E402
 from nanovllm.layers.lora import lora_mapping, lora_reference, tile_slots  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -154,15 +154,15 @@ def test_prefill_sized_tiles(block_m):
 
 def test_every_split_of_k_has_work():
     """The shrink's K split (as the kernel cuts it: whole BLOCK_K steps) covers K, leaves no program
-    without a step, and runs at most ~64 programs."""
+    without a step, and runs at most ~SPLIT_K_PROGRAMS programs."""
     for k in (72, 200, 1024, 2048, 3072, 5120):
         for block_k in (64, 128):
-            for num_tiles in range(0, 72, 4):
+            for num_tiles in range(0, 136, 4):
                 split = split_k_for(k, block_k, num_tiles)
                 k_len = -(-(-(-k // split)) // block_k) * block_k
                 assert (split - 1) * k_len < k <= split * k_len, (k, block_k, num_tiles, split)
-                assert 1 <= split <= MAX_SPLIT_K and (split == 1 or split * num_tiles <= 64)
-    assert split_k_for(1024, 128, 12) == 4  # 5 asked of 8 steps: 4 of 2, no fifth program without any
+                assert 1 <= split <= MAX_SPLIT_K and (split == 1 or split * num_tiles <= SPLIT_K_PROGRAMS)
+    assert split_k_for(1024, 128, 24) == 4  # 5 asked of 8 steps: 4 of 2, no fifth program without any
 
 
 def test_mapping_covers_every_adapter_row_once():

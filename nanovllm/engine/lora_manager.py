@@ -169,13 +169,22 @@ class LoRAManager:
             else:  # column-parallel: A whole, B's rows split as the layer's weight's
                 rows.copy_(a_pad)
                 layer.weight_loader(b, b_pad, target.shard)
-        host = {name: tuple(self._keep(t) for t in pair) for name, pair in weights.items()}
-        adapter = HostAdapter(host, frozenset(self.layers[name].lora_kind for name in host))
+        adapter = HostAdapter(self._keep(weights), frozenset(self.layers[name].lora_kind for name in weights))
         self.host[request.lora_int_id] = adapter
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)
         return adapter
 
-    def _keep(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.to(self.dtype)
-        return t.pin_memory() if self.pinned else t
+    def _keep(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, ...]]:
+        """weights in the model's dtype, as views of one buffer: pinned on CUDA, where each pinned
+        allocation costs a synchronization with the device (one per adapter, not one per tensor)."""
+        flat = torch.empty(sum(t.numel() for pair in weights.values() for t in pair), dtype=self.dtype,
+                           pin_memory=self.pinned)
+        kept, start = {}, 0
+        for name, pair in weights.items():
+            views = []
+            for t in pair:
+                views.append(flat[start:start + t.numel()].view(t.shape).copy_(t))
+                start += t.numel()
+            kept[name] = tuple(views)
+        return kept

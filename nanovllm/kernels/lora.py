@@ -125,6 +125,7 @@ def lora_expand_kernel(s_ptr, b_ptr, y_ptr, y_stride, rows_ptr, tiles_ptr, num_p
 
 EXPAND_BLOCK_N = 64
 MAX_SPLIT_K = 8
+SPLIT_K_PROGRAMS = 128  # the shrink's programs that split_k_for fills up to
 
 
 def _rank_block(r: int) -> int:
@@ -132,11 +133,13 @@ def _rank_block(r: int) -> int:
 
 
 def split_k_for(k: int, block_k: int, num_tiles: int) -> int:
-    """How many programs share each tile's K: until ~64 programs run (a decode step's few tiles
+    """How many programs share each tile's K: until ~128 programs run (a decode step's few tiles
     alone would leave most SMs idle), at most MAX_SPLIT_K, each whole BLOCK_K steps and none
-    without any (5 asked of 8 steps: 4 splits of 2, not a fifth that sums nothing)."""
+    without any (5 asked of 8 steps: 4 splits of 2, not a fifth that sums nothing). 128 rather
+    than 64 programs: at 256 rows of 8 adapters (24 tiles) down_proj's shrink 23.7 -> 11.7 us, a
+    layer's four shrinks and expands 48.8 -> 36.7 us (H100, Qwen3-0.6B; 256 programs: 37.6)."""
     steps = triton.cdiv(k, block_k)
-    asked = max(1, min(MAX_SPLIT_K, steps, 64 // max(num_tiles, 1)))
+    asked = max(1, min(MAX_SPLIT_K, steps, SPLIT_K_PROGRAMS // max(num_tiles, 1)))
     return triton.cdiv(steps, triton.cdiv(steps, asked))
 
 
