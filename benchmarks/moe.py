@@ -23,9 +23,11 @@ from nanovllm.kernels.fused_moe import MoEConfig, default_config, fused_experts
 from nanovllm.layers.moe_method import torch_experts
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
-PAIR_SWEEP = [MoEConfig(pairs=True, pair_n=n, pair_k=k, pair_warps=w)
-              for n, k, w in [(4, None, 4), (4, None, 8), (2, None, 4), (8, None, 8), (8, 512, 4), (16, 256, 4),
-                              (16, 512, 8), (32, 256, 8)]]
+PAIR_SWEEP = [MoEConfig(pairs=True, pair_n=n, pair_k=k, pair_warps=w, down_n=dn, down_k=dk, pair_stages=st)
+              for n, k, w, dn, dk, st in [(8, 512, 4, 8, 128, 1), (8, 512, 8, 8, 128, 3), (4, None, 4, 8, 128, 3),
+                                          (16, 256, 4, 8, 128, 3), (16, 256, 4, 4, 256, 3), (16, 256, 4, 4, 256, 1),
+                                          (32, 256, 4, 4, 256, 3), (8, 512, 4, 4, 256, 3), (16, 256, 4, 8, 256, 3),
+                                          (16, 256, 4, 16, 128, 3), (16, 256, 4, 2, 512, 3)]]
 SORTED_SWEEP = [MoEConfig(block_m=m, block_n=n, block_k=k, group_m=g, num_warps=w, num_stages=s)
                 for m, n, k, g, w, s in [
                     (16, 32, 128, 1, 4, 3), (16, 64, 128, 1, 4, 3), (16, 64, 256, 1, 4, 2), (16, 128, 128, 1, 4, 3),
@@ -84,7 +86,8 @@ def time_layers(fn, layers, graph=True, reps=20):
 
 def describe(config):
     if config.pairs:
-        return f"pairs n{config.pair_n} k{config.pair_k} w{config.pair_warps}"
+        return (f"pairs n{config.pair_n} k{config.pair_k} w{config.pair_warps} down n{config.down_n} "
+                f"k{config.down_k} s{config.pair_stages}")
     return (f"sorted m{config.block_m} n{config.block_n} k{config.block_k} g{config.group_m} "
             f"w{config.num_warps} s{config.num_stages}")
 

@@ -16,7 +16,7 @@ from nanovllm.layers.moe_method import torch_experts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 UNIT_ROUNDOFF = {torch.float32: 2**-24, torch.float16: 2**-11, torch.bfloat16: 2**-8}
-PAIRS = MoEConfig(pairs=True, pair_n=16, pair_k=32)
+PAIRS = MoEConfig(pairs=True, pair_n=16, pair_k=32, down_n=8, down_k=16)
 SORTED = [MoEConfig(block_m=16, block_n=32, block_k=32, group_m=1), MoEConfig(block_m=16, block_n=16, block_k=16,
                                                                              group_m=3)]
 

@@ -3,8 +3,9 @@ Triton GEMMs: h = silu(x W_gate^T) * (x W_up^T) per token-expert pair, then each
 weighted sum over its top-k experts of h W_down^T. fused_experts picks one of two paths by size.
 
 Pairs (few tokens: a decode step of a few sequences): one program per (pair, output tile) for the
-gate/up product and per (token, output tile) for the down product, which loops over the token's
-experts and sums their products in registers: no sort, no padding, no intermediate [pairs,
+gate/up product and per (token, output tile) for the down product, whose tile holds all the
+token's experts, so that their weight loads are in flight together, and sums their products in
+registers: no sort, no padding, no intermediate [pairs,
 hidden] tensor, two launches (with programmatic dependent launch, pdl.py, as the GEMVs). Each
 pair reads its expert's weights, so an expert chosen by two of the step's tokens is read twice
 (from L2 the second time, when the two run together): a cost that grows with the batch, which
@@ -41,12 +42,12 @@ from nanovllm.kernels.pdl import pdl_args, pdl_start
 class MoEConfig:
     """How fused_experts runs. pairs: the pair path (else sorted). block_m, block_n, block_k,
     group_m, num_warps, num_stages: the sorted path's tiles (group_m tiles along M share their
-    weight tiles' columns in L2 before moving along N). pair_n, pair_k, pair_warps: the pair
-    path's weight rows per program and K step (None: the product's whole K, up to 2048, in one
-    step), for the gate/up and the down product alike. The pair path's defaults follow the
-    one-row GEMV's measured tiling (gemv.gemv_config: 4 rows, all of K <= 3072 in one step, a
-    grid that leaves room on every SM); 4 warps measured faster than 8 (benchmarks/moe.py
-    --sweep on an H100 at Qwen3-30B-A3B's shapes: 32 against 49 us per layer at one token)."""
+    weight tiles' columns in L2 before moving along N). The pair path: pair_n, pair_k: its gate/up
+    product's weight rows per program and K step (None: the whole K, up to 2048, in one step);
+    down_n, down_k: its down product's rows per program and K step, for all of a token's experts in
+    one tile; pair_stages: the software pipeline's stages of both K loops (a step's loads issued
+    while the one before is summed); pair_warps: both kernels' warps. The defaults are bf16's
+    fastest at one token (default_config says where from)."""
     pairs: bool = False
     block_m: int = 16
     block_n: int = 64
@@ -54,9 +55,12 @@ class MoEConfig:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    pair_n: int = 4
-    pair_k: int | None = None
+    pair_n: int = 8
+    pair_k: int | None = 512
     pair_warps: int = 4
+    down_n: int = 8
+    down_k: int = 128
+    pair_stages: int = 3
 
 
 PAIRS_MAX_TOKENS = 4  # up to this many tokens the pair path (at 8 tokens the two paths measured alike)
@@ -66,14 +70,14 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, fp8: bool = Fa
     """The tiles for a step of num_tokens tokens: the pair path for a few tokens; then tiles that
     grow with the pairs per expert (num_tokens * top_k / num_experts). Chosen with benchmarks/moe.py
     --sweep on an H100 at Qwen3-30B-A3B's shapes (128 experts, top 8), the fastest per size, us
-    per layer: 1 token 32 (pairs), 8 tokens 195-199 (either path), 64 tokens 433 (16-row tiles),
-    256 tokens 455 (32-row tiles), 4096 tokens 939 (128 x 128 tiles, 8 warps; 64 x 128 tiles:
-    1055). vLLM keeps such choices as tuned JSON per GPU and shape; one rule by pairs per expert
-    stands in for them until another GPU or shape measures differently. fp8 (float8 weights): the
-    pair path takes 8 rows per program in steps of 512 along K (the fastest of benchmarks/moe.py
-    --fp8 --sweep at one token on an H200, 27 us per layer)."""
+    per layer: 8 tokens 195-199 (either path), 64 tokens 433 (16-row tiles), 256 tokens 455
+    (32-row tiles), 4096 tokens 939 (128 x 128 tiles, 8 warps; 64 x 128 tiles: 1055). The pair
+    path's two kernels timed apart (H100, one token; bf16 and fp8 defaults): gate/up 19.2 and
+    11.4 us, down 11.0 and 6.6 us; 4 warps beat 8, and three pipeline stages beat one by 1 us on
+    fp8's gate/up. vLLM keeps such choices as tuned JSON per GPU and shape; one rule by pairs per
+    expert stands in for them until another GPU or shape measures differently."""
     if num_tokens <= PAIRS_MAX_TOKENS:
-        return MoEConfig(pairs=True, pair_n=8, pair_k=512) if fp8 else MoEConfig(pairs=True)
+        return MoEConfig(pairs=True, pair_n=16, pair_k=256, down_n=4, down_k=256) if fp8 else MoEConfig(pairs=True)
     per_expert = num_tokens * top_k / num_experts
     if per_expert <= 8:
         return MoEConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3)
@@ -89,7 +93,8 @@ def _silu_mul(gate, up):
 
 @triton.jit
 def moe_gate_up_pairs_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, N, K, TOP_K: tl.constexpr,
-                             HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                             HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             STAGES: tl.constexpr, PDL: tl.constexpr):
     """Grid (num_pairs, cdiv(N, BLOCK_N)): h[p, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]) for
     pair p = t * TOP_K + j of expert e = ids[p], over this program's BLOCK_N columns n; x [T, K],
     w [E, 2N, K], h [num_pairs, N]; products summed in float32 (as a GEMV: one row). A pair of
@@ -105,7 +110,7 @@ def moe_gate_up_pairs_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, N, K, TOP_
     gate_ptrs = w_ptr + expert * 2 * N * K + rn[:, None] * K + rk[None, :]
     acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k in range(0, K, BLOCK_K):
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         x = tl.load(x_ptrs + k, mask=rk + k < K, other=0.0).to(tl.float32)[None, :]
         mask = (rn[:, None] < N) & (rk[None, :] + k < K)
         acc_gate += tl.load(gate_ptrs + k, mask=mask, other=0.0).to(tl.float32) * x
@@ -119,31 +124,33 @@ def moe_gate_up_pairs_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, N, K, TOP_
 
 @triton.jit
 def moe_down_pairs_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr, out_stride, N, K,
-                          TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PDL: tl.constexpr):
+                          TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """Grid (T, cdiv(N, BLOCK_N)): out[t, n] = sum_j weights[t, j] * (h[t * TOP_K + j] . down_e[n])
     for e = ids[t, j] (pairs of expert -1 skipped); h [T * TOP_K, K], w [E, N, K], out [T, N]
-    (rows out_stride apart), all sums in float32, the top-k sum in a fixed order."""
+    (rows out_stride apart), all sums in float32. The token's TOP_K experts are one [TOP_K_P2,
+    BLOCK_N, BLOCK_K] tile, so their weight loads are in flight together: a loop over the experts
+    waits for each expert's load in turn, which at one token costs more than the bytes."""
     pdl_start(PDL)
     token, pid_n = tl.program_id(0), tl.program_id(1)
+    pairs = token.to(tl.int64) * TOP_K + tl.arange(0, TOP_K_P2)
+    experts = tl.load(ids_ptr + pairs, mask=tl.arange(0, TOP_K_P2) < TOP_K, other=-1).to(tl.int64)
+    live = experts >= 0
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    total = tl.zeros([BLOCK_N], tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = token.to(tl.int64) * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        if expert >= 0:
-            w_ptrs = w_ptr + expert * N * K + rn[:, None] * K + rk[None, :]
-            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-            for k in range(0, K, BLOCK_K):
-                h = tl.load(h_ptr + pair * K + k + rk, mask=rk + k < K, other=0.0).to(tl.float32)
-                w = tl.load(w_ptrs + k, mask=(rn[:, None] < N) & (rk[None, :] + k < K), other=0.0).to(tl.float32)
-                acc += w * h[None, :]
-            y = tl.sum(acc, 1)
-            if HAS_SCALE:
-                y *= tl.load(scale_ptr + expert * N + rn, mask=rn < N, other=0.0)
-            total += y * tl.load(weights_ptr + pair)
-    tl.store(out_ptr + token.to(tl.int64) * out_stride + rn, total.to(out_ptr.dtype.element_ty), mask=rn < N)
+    w_ptrs = w_ptr + experts[:, None, None] * N * K + rn[None, :, None] * K + rk[None, None, :]
+    w_mask = live[:, None, None] & (rn[None, :, None] < N)
+    acc = tl.zeros([TOP_K_P2, BLOCK_N, BLOCK_K], tl.float32)
+    for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        h = tl.load(h_ptr + pairs[:, None] * K + k + rk[None, :], mask=live[:, None] & (rk[None, :] + k < K),
+                    other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs + k, mask=w_mask & (rk[None, None, :] + k < K), other=0.0).to(tl.float32)
+        acc += w * h[:, None, :]
+    y = tl.sum(acc, 2)  # [TOP_K_P2, BLOCK_N]
+    if HAS_SCALE:
+        y *= tl.load(scale_ptr + experts[:, None] * N + rn[None, :], mask=live[:, None] & (rn[None, :] < N), other=0.0)
+    y *= tl.load(weights_ptr + pairs, mask=live, other=0.0)[:, None]
+    tl.store(out_ptr + token.to(tl.int64) * out_stride + rn, tl.sum(y, 0).to(out_ptr.dtype.element_ty), mask=rn < N)
 
 
 @triton.jit
@@ -237,16 +244,19 @@ def gate_up_pairs(x, w13, w13_scale, topk_ids, config: MoEConfig, out=None) -> t
     h = out if out is not None else torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
     moe_gate_up_pairs_kernel[(num_pairs, triton.cdiv(n, config.pair_n))](
         x, w13, w13_scale, topk_ids, h, n, x.size(1), TOP_K=topk_ids.size(1), HAS_SCALE=w13_scale is not None,
-        BLOCK_N=config.pair_n, BLOCK_K=_pair_k(config, x.size(1)), num_warps=config.pair_warps, **pdl_args(x.device))
+        BLOCK_N=config.pair_n, BLOCK_K=_pair_k(config, x.size(1)), STAGES=config.pair_stages,
+        num_warps=config.pair_warps, **pdl_args(x.device))
     return h
 
 
 def down_pairs(h, w2, w2_scale, topk_ids, topk_weights, out, config: MoEConfig) -> torch.Tensor:
     """The pair path's second GEMM with the top-k sum: out [T, H] (rows may be strided)."""
     num_tokens, hidden = out.shape
-    moe_down_pairs_kernel[(num_tokens, triton.cdiv(hidden, config.pair_n))](
-        h, w2, w2_scale, topk_ids, topk_weights, out, out.stride(0), hidden, h.size(1), TOP_K=topk_ids.size(1),
-        HAS_SCALE=w2_scale is not None, BLOCK_N=config.pair_n, BLOCK_K=_pair_k(config, h.size(1)),
+    top_k = topk_ids.size(1)
+    moe_down_pairs_kernel[(num_tokens, triton.cdiv(hidden, config.down_n))](
+        h, w2, w2_scale, topk_ids, topk_weights, out, out.stride(0), hidden, h.size(1), TOP_K=top_k,
+        TOP_K_P2=triton.next_power_of_2(top_k), HAS_SCALE=w2_scale is not None, BLOCK_N=config.down_n,
+        BLOCK_K=min(config.down_k, triton.next_power_of_2(h.size(1))), STAGES=config.pair_stages,
         num_warps=config.pair_warps, **pdl_args(h.device))
     return out
 
