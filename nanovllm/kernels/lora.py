@@ -1,5 +1,5 @@
 """LoRA's products for a step whose rows run different adapters, grouped by adapter as in Punica's
-SGMV (Chen et al. 2023, arXiv 2310.18547): y[rows of slot l] += (a(x) A_l^T) B_l^T for every
+SGMV (Chen et al. 2023, arXiv 2310.18547): y[rows of slot l] += (x A_l^T) B_l^T for every
 adapter slot l of the step in one launch.
 
 A LoRA layer's weights (layers/lora.py): lora_a [max_loras, S * R, K], each slot's A of the
@@ -11,13 +11,11 @@ adapter, grouped by slot; tiles [num_tiles, 3] int32, (slot, start, end): rows[s
 most BLOCK_M of one slot; slot -1 marks an unused tile (a CUDA graph's spare ones). A row in no
 tile is neither read nor written, so rows without an adapter cost nothing.
 
-a(x) is x; silu(gate) * up of x = [gate | up] (gated: SwiGLU's down_proj, whose base kernel
-applies the gate itself); or RMSNorm(x) * norm_weight (norm: a pre-norm block's first product,
-whose base kernel may keep the normed input to itself, gemv.py's norm_gemv), each rounded as the
-torch layers round it. Punica's pair of kernels: lora_shrink (s = a(x) A^T per tile, float32, K
-split over programs when tiles are few) then lora_expand (y += s B^T per tile, slice and block of
-output columns). Products in float32 (tensor cores for 16-bit inputs); the shrink's result rounded
-to the model dtype before the expand, as PEFT rounds it.
+x is the layer's input as its base product reads it (normed or gated already: layers/lora.py).
+Punica's pair of kernels: lora_shrink (s = x A^T per tile, float32, K split over programs when
+tiles are few) then lora_expand (y += s B^T per tile, slice and block of output columns).
+Products in float32 (tensor cores for 16-bit inputs); the shrink's result rounded to the model
+dtype before the expand, as PEFT rounds it.
 
 Two launches per product from two rows on: one kernel that recomputes each tile's shrink for
 every block of output columns it expands saves a launch but repeats the shrink's reads of x and A
@@ -47,12 +45,12 @@ def _tile(tiles_ptr, rows_ptr, tile, BLOCK_M: tl.constexpr):
 
 # the adapter rows and the split of K change from step to step: kept out of Triton's specialisation
 @triton.jit(do_not_specialize=["num_pos", "split_k"])
-def lora_shrink_kernel(x_ptr, x_stride, norm_ptr, eps, a_ptr, rows_ptr, tiles_ptr, s_ptr, num_pos, K, SR, split_k,
-                       NORM: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+def lora_shrink_kernel(x_ptr, x_stride, a_ptr, rows_ptr, tiles_ptr, s_ptr, num_pos, K, SR, split_k,
+                       BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                       PDL: tl.constexpr):
     """Grid (num_tiles, split_k): program (t, k) writes s[k, pos, :SR] (s: [split_k, num_pos, SR]
     float32) for tile t's positions: the k-th of split_k slices of K (whole BLOCK_K steps, none
-    empty) of a(x) A_slot^T, all of the slot's SR = S * R rows of A (K apart) at once."""
+    empty) of x A_slot^T, all of the slot's SR = S * R rows of A (K apart) at once."""
     tile, split = tl.program_id(0), tl.program_id(1)
     pdl_start(PDL)
     slot, pos, live, rows = _tile(tiles_ptr, rows_ptr, tile, BLOCK_M)
@@ -63,28 +61,11 @@ def lora_shrink_kernel(x_ptr, x_stride, norm_ptr, eps, a_ptr, rows_ptr, tiles_pt
         r = tl.arange(0, BLOCK_R)
         a_rows = a_ptr + slot.to(tl.int64) * SR * K + r[:, None] * K
         x_rows = x_ptr + rows[:, None] * x_stride
-        inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
-        if NORM:  # the mean of x^2 over all of K, whatever slice of K this program multiplies
-            sq = tl.zeros([BLOCK_M], tl.float32)
-            # pipelined as the product's loop is (Triton pipelines only loops with a dot unless
-            # asked): a decode step's program otherwise waits out every BLOCK_K load of x in turn
-            for k in tl.range(0, K, BLOCK_K, num_stages=3):
-                cols = k + tl.arange(0, BLOCK_K)
-                v = tl.load(x_rows + cols[None, :], mask=live[:, None] & (cols[None, :] < K), other=0.0).to(tl.float32)
-                sq += tl.sum(v * v, 1)
-            inv_rms = tl.rsqrt(sq / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
         for k in range(k_lo, k_hi, BLOCK_K):
             cols = k + tl.arange(0, BLOCK_K)
             mask = live[:, None] & (cols[None, :] < k_hi)
             v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0)
-            if GATED:
-                up = tl.load(x_rows + K + cols[None, :], mask=mask, other=0.0)
-                gate = v.to(tl.float32)
-                v = ((gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32) * up.to(tl.float32)).to(up.dtype)
-            if NORM:
-                w = tl.load(norm_ptr + cols, mask=cols < k_hi, other=0.0).to(tl.float32)
-                v = ((v.to(tl.float32) * inv_rms[:, None]).to(v.dtype).to(tl.float32) * w[None, :]).to(v.dtype)
             a = tl.load(a_rows + cols[None, :], mask=(r[:, None] < SR) & (cols[None, :] < k_hi), other=0.0)
             acc = tl.dot(v, tl.trans(a), acc, input_precision=PRECISION)
         tl.store(s_ptr + (split * num_pos + pos[:, None]) * SR + r[None, :], acc,
@@ -143,25 +124,24 @@ def split_k_for(k: int, block_k: int, num_tiles: int) -> int:
     return triton.cdiv(steps, triton.cdiv(steps, asked))
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, rows: torch.Tensor, tiles: torch.Tensor, block_m: int,
-                norm: tuple[torch.Tensor, float] | None = None, gated: bool = False) -> torch.Tensor:
-    """s = a(x) A^T for every position of rows in a tile: [split_k, len(rows), S * R] float32, the
-    split_k partial sums over K to be added (lora_expand adds them). x: [T, K] ([T, 2K] when gated)
-    in lora_a's dtype; lora_a [max_loras, S * R, K]; rows, tiles, block_m (tiles' most positions):
-    the step's mapping (module docstring); norm: (weight [K], eps) of the RMSNorm before the product."""
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, rows: torch.Tensor, tiles: torch.Tensor,
+                block_m: int) -> torch.Tensor:
+    """s = x A^T for every position of rows in a tile: [split_k, len(rows), S * R] float32, the
+    split_k partial sums over K to be added (lora_expand adds them). x: [T, K] in lora_a's dtype
+    (the layer's input: normed or gated already); lora_a [max_loras, S * R, K]; rows, tiles,
+    block_m (tiles' most positions): the step's mapping (module docstring)."""
     assert x.stride(-1) == 1 and x.dtype == lora_a.dtype
     k, sr, num_tiles = lora_a.size(2), lora_a.size(1), tiles.size(0)
-    assert x.size(1) == (2 * k if gated else k) and not (gated and norm)
-    norm_weight, eps = norm if norm is not None else (lora_a, 0.0)
+    assert x.size(1) == k
     fp32 = x.dtype == torch.float32  # float32 products on the CUDA cores, not in TF32
     block_k = 64 if fp32 else 128
     split_k = split_k_for(k, block_k, num_tiles)
     s = torch.empty(split_k, rows.numel(), sr, dtype=torch.float32, device=x.device)
     if num_tiles:
         lora_shrink_kernel[(num_tiles, split_k)](
-            x, x.stride(0), norm_weight, eps, lora_a, rows, tiles, s, rows.numel(), k, sr, split_k,
-            NORM=norm is not None, GATED=gated, BLOCK_M=block_m, BLOCK_R=_rank_block(sr), BLOCK_K=block_k,
-            PRECISION="ieee" if fp32 else "tf32", num_warps=4, **pdl_args(x.device))
+            x, x.stride(0), lora_a, rows, tiles, s, rows.numel(), k, sr, split_k, BLOCK_M=block_m,
+            BLOCK_R=_rank_block(sr), BLOCK_K=block_k, PRECISION="ieee" if fp32 else "tf32", num_warps=4,
+            **pdl_args(x.device))
     return s
 
 

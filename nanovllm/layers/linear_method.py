@@ -34,6 +34,24 @@ def few_rows(x: torch.Tensor) -> bool:
     return hopper(x.device)
 
 
+def gate_rows(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate silu(gate) * up of x = [gate | up]: [num_tokens, 2N] -> [num_tokens, N], by the
+    kernel the products take at this many rows (skinny_gemm's from 2 to SKINNY_MAX_ROWS)."""
+    if few_rows(x):
+        from nanovllm.kernels.skinny_gemm import silu_and_mul_rows
+        return silu_and_mul_rows(x)
+    return silu_and_mul(x)
+
+
+def norm_rows(x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(r), r) for r = x + residual (layernorm.residual_norm), by the kernel the products take
+    at this many rows (skinny_gemm's from 2 to SKINNY_MAX_ROWS)."""
+    if few_rows(x):
+        from nanovllm.kernels.skinny_gemm import rms_norm_rows
+        return rms_norm_rows(x, residual, norm.weight, norm.eps)
+    return residual_norm(x, residual, norm)
+
+
 class LinearMethod:
     """The products of a layer with `weight` [out, in] (and `weight_scale`, `bias` as the method
     keeps them). x: [num_tokens, in] (gated: [num_tokens, 2 * in] = [gate | up], multiplied as
@@ -56,7 +74,7 @@ class LinearMethod:
                    norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(layer's product of norm(r), r) for r = x + residual (r = x when residual is None);
         x, residual: [num_tokens, hidden_size], norm a layernorm.RMSNorm. Unfused: the norm, then apply."""
-        x, residual = residual_norm(x, residual, norm)
+        x, residual = norm_rows(x, residual, norm)
         return self.apply(layer, x, layer.bias), residual
 
 
@@ -69,11 +87,11 @@ class UnquantizedLinearMethod(LinearMethod):
         if one_row(x):  # the gate fused into the GEMV's loads
             from nanovllm.kernels.gemv import gemv
             return gemv(x, weight, None, bias, gated, out=out)
-        if few_rows(x):
-            from nanovllm.kernels.skinny_gemm import silu_and_mul_rows, skinny_linear
-            return skinny_linear(silu_and_mul_rows(x) if gated else x, weight, bias, out=out)
         if gated:
-            x = silu_and_mul(x)
+            x = gate_rows(x)
+        if few_rows(x):
+            from nanovllm.kernels.skinny_gemm import skinny_linear
+            return skinny_linear(x, weight, bias, out=out)
         if out is None:
             return F.linear(x, weight, bias)
         torch.matmul(x, weight.t(), out=out)
@@ -83,10 +101,6 @@ class UnquantizedLinearMethod(LinearMethod):
         if one_row(x):  # one GEMV kernel, the norm computed while loading x
             from nanovllm.kernels.gemv import norm_gemv
             return norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, None, layer.bias)
-        if few_rows(x):
-            from nanovllm.kernels.skinny_gemm import rms_norm_rows, skinny_linear
-            x, residual = rms_norm_rows(x, residual, norm.weight, norm.eps)
-            return skinny_linear(x, layer.weight, layer.bias), residual
         return super().apply_norm(layer, x, residual, norm)
 
 

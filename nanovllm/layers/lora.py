@@ -11,11 +11,11 @@ a step's rows run is the LoRAContext that every wrapper shares: set by the Model
 each forward, and under CUDA graphs static buffers written before each replay, as the attention
 backend's graph metadata.
 
-The normed input of a pre-norm block's first product (qkv_proj, gate_up_proj) is not kept by the
-fused base paths (gemv.py's norm_gemv computes it while loading x): the delta recomputes it from
-the residual sum r the base returns, inside the LoRA kernel (norm=...), rather than unfusing the
-base product or adding a norm kernel; SwiGLU's gate before down_proj likewise (gated). A step
-without adapter rows runs the base alone, and rows without an adapter are in no tile.
+A pre-norm block's first product (qkv_proj, gate_up_proj) and down_proj (SwiGLU's gate in front)
+with adapters: from two rows on, the normed or gated input is computed once (linear_method's
+norm_rows, gate_rows, the kernels the base products take anyway) and read by the base product
+and the shrink alike. One row keeps them fused in gemv.py's launch. A step without adapter rows
+runs the base alone, and rows without an adapter are in no tile.
 """
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ from torch import nn
 from nanovllm.kernels.activation import swiglu
 from nanovllm.kernels.rms_norm import rms_norm
 from nanovllm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
-from nanovllm.layers.linear_method import LinearMethod, one_row
+from nanovllm.layers.linear_method import LinearMethod, gate_rows, norm_rows, one_row
 
 GRAPH_BLOCK_M = 16  # tile rows of decode steps (and every CUDA graph): tensor cores' narrowest
 PREFILL_BLOCK_M = 64  # of steps with more rows than PREFILL_MIN_ROWS
@@ -183,7 +183,9 @@ class LoRALinearMethod(LinearMethod):
             from nanovllm.kernels.gemv import gemv
             return gemv(x, layer.weight, getattr(layer, "weight_scale", None), bias, gated, out=out,
                         lora=self._gemv_lora(layer))
-        return add_lora(self.context, layer, self.base.apply(layer, x, bias, gated, out), x, gated=gated)
+        if gated:  # once for the base product and the shrink (which would read [gate | up], twice the bytes)
+            x = gate_rows(x)
+        return add_lora(self.context, layer, self.base.apply(layer, x, bias, False, out), x)
 
     def apply_norm(self, layer, x, residual, norm):
         if not self._changes(layer):
@@ -192,8 +194,8 @@ class LoRALinearMethod(LinearMethod):
             from nanovllm.kernels.gemv import norm_gemv
             return norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, getattr(layer, "weight_scale", None),
                              layer.bias, lora=self._gemv_lora(layer))
-        y, r = self.base.apply_norm(layer, x, residual, norm)
-        return add_lora(self.context, layer, y, r, norm=(norm.weight, norm.eps)), r
+        x, r = norm_rows(x, residual, norm)  # the normed input kept for the shrink, not recomputed in it
+        return add_lora(self.context, layer, self.base.apply(layer, x, layer.bias), x), r
 
     def _changes(self, layer) -> bool:
         """The step has adapter rows that change this layer."""
@@ -210,15 +212,14 @@ class LoRALinearMethod(LinearMethod):
                         self.context.one_row_s[layer.lora_index])
 
 
-def add_lora(context: LoRAContext, layer: nn.Module, y: torch.Tensor, x: torch.Tensor,
-             norm: tuple[torch.Tensor, float] | None = None, gated: bool = False):
+def add_lora(context: LoRAContext, layer: nn.Module, y: torch.Tensor, x: torch.Tensor):
     """y[rows] += delta of the layer's adapters for the step's mapping, in place (kernels/lora.py's
     arguments): lora_shrink then lora_expand at every step size (kernels/lora.py says why two)."""
     c = context
     if not c.use_triton:
-        return lora_reference(y, x, layer.lora_a, layer.lora_b, c.rows, c.groups, layer.lora_bounds, norm, gated)
+        return lora_reference(y, x, layer.lora_a, layer.lora_b, c.rows, c.groups, layer.lora_bounds)
     from nanovllm.kernels.lora import lora_expand, lora_shrink  # Triton: imported only when used
-    s = lora_shrink(x, layer.lora_a, c.rows, c.tiles, c.block_m, norm, gated)
+    s = lora_shrink(x, layer.lora_a, c.rows, c.tiles, c.block_m)
     return lora_expand(y, s, layer.lora_b, c.rows, c.tiles, c.block_m, layer.lora_bounds)
 
 
@@ -227,7 +228,8 @@ def lora_reference(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
                    gated: bool = False) -> torch.Tensor:
     """The kernels' sums in torch, group by group (the CPU path, and what the kernels are checked
     against): for each (slot, start, end) of groups, y[rows[start:end]] += a(x) A_slot^T B_slot^T
-    with kernels/lora.py's arguments and roundings; returns y."""
+    with kernels/lora.py's arguments and roundings; returns y. a(x) is x, or the input as gemv.py's
+    one-row product norms (norm: (weight, eps)) or gates (gated) it in its own launch."""
     rank = lora_b.size(2)
     for slot, start, end in groups.tolist():
         index = rows[start:end].long()
