@@ -63,19 +63,22 @@ class MoEConfig:
     pair_stages: int = 3
 
 
-PAIRS_MAX_TOKENS = 4  # up to this many tokens the pair path (at 8 tokens the two paths measured alike)
+# up to this many tokens the pair path: at 8 tokens, tilings next to its defaults (one K-loop stage)
+# beat the sorted path's, bf16 173 against 186 us per layer, fp8 108 against 122-140 (benchmarks/moe.py
+# --sweep, H100)
+PAIRS_MAX_TOKENS = 8
 
 
 def default_config(num_tokens: int, top_k: int, num_experts: int, fp8: bool = False) -> MoEConfig:
     """The tiles for a step of num_tokens tokens: the pair path for a few tokens; then tiles that
     grow with the pairs per expert (num_tokens * top_k / num_experts). Chosen with benchmarks/moe.py
     --sweep on an H100 at Qwen3-30B-A3B's shapes (128 experts, top 8), the fastest per size, us
-    per layer: 8 tokens 195-199 (either path), 64 tokens 433 (16-row tiles), 256 tokens 455
-    (32-row tiles), 4096 tokens 939 (128 x 128 tiles, 8 warps; 64 x 128 tiles: 1055). The pair
-    path's two kernels timed apart (H100, one token; bf16 and fp8 defaults): gate/up 19.2 and
-    11.4 us, down 11.0 and 6.6 us; 4 warps beat 8, and three pipeline stages beat one by 1 us on
-    fp8's gate/up. vLLM keeps such choices as tuned JSON per GPU and shape; one rule by pairs per
-    expert stands in for them until another GPU or shape measures differently."""
+    per layer: 64 tokens 433 (16-row tiles), 256 tokens 455 (32-row tiles), 4096 tokens 939 (128 x
+    128 tiles, 8 warps; 64 x 128 tiles: 1055). The pair path's two kernels timed apart (H100, one
+    token; bf16 and fp8 defaults): gate/up 19.2 and 11.4 us, down 11.0 and 6.6 us; 4 warps beat 8,
+    and three pipeline stages beat one by 1 us on fp8's gate/up. vLLM keeps such choices as tuned
+    JSON per GPU and shape; one rule by pairs per expert stands in for them until another GPU or
+    shape measures differently."""
     if num_tokens <= PAIRS_MAX_TOKENS:
         return MoEConfig(pairs=True, pair_n=16, pair_k=256, down_n=4, down_k=256) if fp8 else MoEConfig(pairs=True)
     per_expert = num_tokens * top_k / num_experts
