@@ -77,7 +77,9 @@ def test_one_sequence_in_bfloat16_joins_the_adapter_to_each_product(tiny, monkey
     in CUDA graphs, with the tokens of the many-row path (norm or gate, base product, shrink,
     expand) run on that one row, for each adapter and for none. The two paths round the normed or
     gated input in different kernels (an element may land one bf16 unit apart), so they agree up to
-    a first difference where the many-row path's two best logprobs were within BF16_TIE."""
+    a first difference where the many-row path's two best logprobs were within BF16_TIE, and the
+    emitted tokens' logprobs agree within BF16_TIE before it (which a delta gone wrong would not:
+    each adapter moves them by far more)."""
     from nanovllm.kernels import gemv as gemv_module
     from nanovllm.layers.lora import LoRALinearMethod
     path, prompts, requests, _ = tiny
@@ -98,7 +100,7 @@ def test_one_sequence_in_bfloat16_joins_the_adapter_to_each_product(tiny, monkey
         expected = {}
         for name, out in generate(enforce_eager=True).items():
             best = [sorted((lp.logprob for lp in position.values()), reverse=True) for position in out.logprobs]
-            expected[name] = (out.token_ids, [b[0] - b[1] for b in best])
+            expected[name] = (out.token_ids, [b[0] - b[1] for b in best], emitted_logprobs(out))
     fused = []
     for name in ("gemv", "norm_gemv"):
         fn = getattr(gemv_module, name)
@@ -106,8 +108,17 @@ def test_one_sequence_in_bfloat16_joins_the_adapter_to_each_product(tiny, monkey
     for enforce_eager in (True, False):
         fused.clear()
         for name, out in generate(enforce_eager=enforce_eager).items():
-            assert same_greedy(out.token_ids, expected[name], BF16_TIE), (name, enforce_eager)
+            tokens, gaps, logprobs = expected[name]
+            assert same_greedy(out.token_ids, (tokens, gaps), BF16_TIE), (name, enforce_eager)
+            agreed = next((i for i, (a, b) in enumerate(zip(out.token_ids, tokens)) if a != b), len(tokens))
+            got = emitted_logprobs(out)[:agreed]
+            assert all(abs(a - b) < BF16_TIE for a, b in zip(got, logprobs)), (name, enforce_eager, got, logprobs)
         assert sum(lora is not None for lora in fused) >= 4  # run eagerly or captured: every kind of product
+
+
+def emitted_logprobs(out) -> list[float]:
+    """The logprob of each token a completion emitted."""
+    return [position[token].logprob for position, token in zip(out.logprobs, out.token_ids)]
 
 
 @pytest.fixture(scope="module")
