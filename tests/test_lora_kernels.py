@@ -11,9 +11,11 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+from nanovllm.kernels.activation import swiglu  # noqa: E402
 from nanovllm.kernels.fp8 import quantize_fp8  # noqa: E402
 from nanovllm.kernels.gemv import GemvLoRA, gemv, norm_gemv  # noqa: E402
 from nanovllm.kernels.lora import MAX_SPLIT_K, SPLIT_K_PROGRAMS, lora_expand, lora_shrink, split_k_for  # noqa: E402
+from nanovllm.kernels.rms_norm import rms_norm  # noqa: E402
 from nanovllm.layers.lora import lora_mapping, lora_reference, tile_slots  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -45,6 +47,17 @@ def problem(num_rows, k, bounds, max_loras, rank, mode, dtype, seed, block_m=16,
     kwargs = {"gated": mode == "gated", "norm": norm}
     ops = [t.to(dtype).to(DEVICE) for t in (x, a, b, y)]
     return ops, index[:3 * num_tiles].view(num_tiles, 3), index[3 * num_tiles:], groups, kwargs, token_slots
+
+
+def layer_input(x, kwargs):
+    """What the product multiplies, as gemv.py's one-row product norms or gates x in its own launch
+    (rounded as the torch layers round it): silu(gate) * up of x = [gate | up], RMSNorm(x) * weight,
+    or x."""
+    if kwargs["gated"]:
+        return swiglu(x)
+    if kwargs["norm"] is not None:
+        return rms_norm(x, None, *kwargs["norm"])[0]
+    return x
 
 
 def assert_close(actual, expected, dtype, length):
@@ -80,7 +93,7 @@ def test_reference_matches_a_float64_loop(mode, bounds):
             expected[row, lo:hi] += b[slot, lo:hi].double() @ s[j * rank:(j + 1) * rank]
     if kwargs["norm"] is not None:  # the torch path on the host, its operands with it
         kwargs["norm"] = (kwargs["norm"][0].cpu(), kwargs["norm"][1])
-    actual = lora_reference(y.clone(), x, a, b, rows.cpu(), groups, bounds, **kwargs)
+    actual = lora_reference(y.clone(), layer_input(x, kwargs), a, b, rows.cpu(), groups, bounds)
     assert_close(actual, expected.float(), torch.float32, 72 + 12)
 
 
@@ -136,8 +149,8 @@ def test_one_row_product_with_its_adapter_in_one_launch(bounds, mode, fp8):
             assert torch.equal(actual, base)
             continue
         groups = np.array([[slot, 0, 1]])
-        expected = lora_reference(base.clone(), x_in, a, b, torch.zeros(1, dtype=torch.int32, device=DEVICE),
-                                  groups, bounds, **kwargs)
+        expected = lora_reference(base.clone(), layer_input(x_in, kwargs), a, b,
+                                  torch.zeros(1, dtype=torch.int32, device=DEVICE), groups, bounds)
         assert not torch.equal(expected, base)
         assert_close(actual, expected, dtype, k + 12)
 
@@ -232,6 +245,7 @@ def test_one_row_products_with_adapters_in_a_cuda_graph():
         torch.cuda.synchronize()
         for y, base, (x, res, w, a, b, bounds, kwargs) in zip(outputs, products(False), layers):
             x_in = x if res is None else (x + res)
-            expected = lora_reference(base.clone(), x_in, a, b, torch.zeros(1, dtype=torch.int32, device="cuda"),
-                                      np.array([[slot, 0, 1]]), bounds, **kwargs)
+            expected = lora_reference(base.clone(), layer_input(x_in, kwargs), a, b,
+                                      torch.zeros(1, dtype=torch.int32, device="cuda"), np.array([[slot, 0, 1]]),
+                                      bounds)
             assert_close(y, expected, torch.bfloat16, x.size(1) + 16)

@@ -5,8 +5,8 @@ weighted sum over its top-k experts of h W_down^T. fused_experts picks one of tw
 Pairs (few tokens: a decode step of a few sequences): one program per (pair, output tile) for the
 gate/up product and per (token, output tile) for the down product, whose tile holds all the
 token's experts, so that their weight loads are in flight together, and sums their products in
-registers: no sort, no padding, no intermediate [pairs,
-hidden] tensor, two launches (with programmatic dependent launch, pdl.py, as the GEMVs). Each
+registers: no sort, no padding, no intermediate [pairs, hidden] tensor, two launches (with
+programmatic dependent launch, pdl.py, as the GEMVs). Each
 pair reads its expert's weights, so an expert chosen by two of the step's tokens is read twice
 (from L2 the second time, when the two run together): a cost that grows with the batch, which
 is why larger steps take the other path.

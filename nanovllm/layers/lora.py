@@ -21,8 +21,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from nanovllm.kernels.activation import swiglu
-from nanovllm.kernels.rms_norm import rms_norm
 from nanovllm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
 from nanovllm.layers.linear_method import LinearMethod, gate_rows, norm_rows, one_row
 
@@ -224,21 +222,14 @@ def add_lora(context: LoRAContext, layer: nn.Module, y: torch.Tensor, x: torch.T
 
 
 def lora_reference(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, rows: torch.Tensor,
-                   groups: np.ndarray, bounds: tuple[int, ...], norm: tuple[torch.Tensor, float] | None = None,
-                   gated: bool = False) -> torch.Tensor:
+                   groups: np.ndarray, bounds: tuple[int, ...]) -> torch.Tensor:
     """The kernels' sums in torch, group by group (the CPU path, and what the kernels are checked
-    against): for each (slot, start, end) of groups, y[rows[start:end]] += a(x) A_slot^T B_slot^T
-    with kernels/lora.py's arguments and roundings; returns y. a(x) is x, or the input as gemv.py's
-    one-row product norms (norm: (weight, eps)) or gates (gated) it in its own launch."""
+    against): for each (slot, start, end) of groups, y[rows[start:end]] += x A_slot^T B_slot^T
+    with kernels/lora.py's arguments and roundings; returns y."""
     rank = lora_b.size(2)
     for slot, start, end in groups.tolist():
         index = rows[start:end].long()
-        a = x[index]
-        if gated:
-            a = swiglu(a)
-        if norm is not None:
-            a = rms_norm(a, None, *norm)[0]
-        s = (a.float() @ lora_a[slot].float().T).to(lora_b.dtype).float()
+        s = (x[index].float() @ lora_a[slot].float().T).to(lora_b.dtype).float()
         delta = torch.cat([s[:, j * rank:(j + 1) * rank] @ lora_b[slot, lo:hi].float().T
                            for j, (lo, hi) in enumerate(zip(bounds, bounds[1:]))], 1)
         y[index] = (y[index].float() + delta).to(y.dtype)

@@ -20,9 +20,9 @@ def sampling_tensors(seqs: list[Sequence], device: torch.device, processors: lis
     its drafts (drafts: seq_id -> a run's drafts). processors: in the order they apply; each
     prepares the rows that carry it (LogitsProcessor.prepare), among those whose params need
     processing (a verify run's only for a grammar: SamplingParams.takes_drafts). A completion
-    token not read back yet (PLACEHOLDER,
-    the last one) is prev_sampled[prev_rows[seq_id]] on the device. vocab_size: the logits' width
-    (a top_k at or above it is no top-k, as vLLM's). Every field empty when every row is plain greedy."""
+    token not read back yet (PLACEHOLDER, the last one) is prev_sampled[prev_rows[seq_id]] on the
+    device. vocab_size: the logits' width (a top_k at or above it is no top-k, as vLLM's). Every
+    field empty when every row is plain greedy."""
     params = [seq.sampling_params for seq in seqs]
     st = SamplingTensors()
     if not any(p.temperature > 0 or p.needs_processing or p.logprobs is not None for p in params):
