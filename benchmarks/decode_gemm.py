@@ -1,4 +1,5 @@
-"""Decode-step products of Qwen3-0.6B at M rows (a decode step of M sequences), us per layer.
+"""Decode-step products of Qwen3-0.6B (or --model qwen3-8b) at M rows (a decode step of M
+sequences, or a verify step's 1 + k rows of one), us per layer.
 
 Default: a layer's four products chained as the model chains them (linear.norm_linear for qkv_proj
 and gate_up_proj, linear.linear for o_proj and down_proj), 28 layers with their own weights in
@@ -7,7 +8,7 @@ one CUDA graph (weights from HBM, not L2): the engine's path (the GEMV at one ro
 --sweep: each product alone, 28 in a graph, skinny_gemm's tilings against cuBLAS, every tiling
 first checked against a float32 product. Findings: docs/perf-log.md.
 
-    python benchmarks/decode_gemm.py [--m 1 2 4 8 16 32 64] [--sweep]
+    python benchmarks/decode_gemm.py [--model qwen3-0.6b|qwen3-8b] [--m 1 2 4 8 16 32 64] [--sweep]
 """
 import argparse
 import itertools
@@ -22,10 +23,8 @@ from nanovllm.layers.linear import ColumnParallelLinear, RowParallelLinear, norm
 from nanovllm.kernels.skinny_gemm import silu_and_mul_rows, skinny_config, skinny_linear
 from nanovllm.distributed.state import TensorParallel
 
-HIDDEN, Q, KV, INTER = 1024, 2048, 1024, 3072
-SHAPES = {"qkv_proj": (Q + 2 * KV, HIDDEN), "o_proj": (HIDDEN, Q), "gate_up_proj": (2 * INTER, HIDDEN),
-          "down_proj": (HIDDEN, INTER)}
-LAYERS = 28
+MODELS = {"qwen3-0.6b": (1024, 2048, 1024, 3072, 28), "qwen3-8b": (4096, 4096, 1024, 12288, 36)}  # from their configs
+HIDDEN, Q, KV, INTER, LAYERS = MODELS["qwen3-0.6b"]  # hidden, q and kv widths, intermediate, layers (main sets them)
 ONE_ROW = linear_mod.one_row
 
 
@@ -72,10 +71,12 @@ def chain(ms):
 
 
 def sweep(ms):
-    for name, (n, k) in SHAPES.items():
+    shapes = {"qkv_proj": (Q + 2 * KV, HIDDEN), "o_proj": (HIDDEN, Q), "gate_up_proj": (2 * INTER, HIDDEN),
+              "down_proj": (HIDDEN, INTER)}
+    for name, (n, k) in shapes.items():
         gated = name == "down_proj"
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(LAYERS)]
-        configs = [c for c in itertools.product([16, 32], [128, 256, 512], [2, 4], [3, 4], [1, 2, 4])
+        configs = [c for c in itertools.product([16, 32, 64], [128, 256, 512], [2, 4], [3, 4], [1, 2, 4])
                    if k % (c[1] * c[4]) == 0]  # (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K)
         for m in ms:
             x = torch.randn(m, (2 if gated else 1) * k, device="cuda", dtype=torch.bfloat16)
@@ -105,7 +106,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 48, 64])
     p.add_argument("--sweep", action="store_true", help="each product alone over skinny_gemm's tilings")
+    p.add_argument("--model", choices=MODELS, default="qwen3-0.6b", help="whose shapes and layer count")
     args = p.parse_args()
+    global HIDDEN, Q, KV, INTER, LAYERS
+    HIDDEN, Q, KV, INTER, LAYERS = MODELS[args.model]
     torch.manual_seed(0)
     print(torch.cuda.get_device_name())
     (sweep if args.sweep else chain)(args.m)

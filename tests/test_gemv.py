@@ -131,12 +131,13 @@ def test_linear_one_row_on_the_gpu(k, n, fp8):
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_linear_awkward_sizes(bias):
     """skinny_gemm's tensor-core product of 2-48 rows: partial tiles in M, N and K, K split in 1-4
-    slices (one slice empty at k=200, split 3 of 128-wide steps, and at k=600, split 4), the default
-    tiling of 33-64 rows, the split's counters back at zero."""
+    slices (one slice empty at k=200, split 3 of 128-wide steps, and at k=600, split 4), 64-row tiles
+    in 4 stages (the default for large K at up to 16 rows), the default tiling of 33-64 rows, the
+    split's counters back at zero."""
     g = torch.Generator().manual_seed(20 + bias)
     for m, n, k, config in ((2, 37, 100, (16, 64, 4, 2, 1)), (5, 40, 300, (32, 64, 4, 2, 3)),
                             (33, 16, 200, (16, 128, 4, 2, 3)), (16, 70, 1000, (32, 256, 4, 2, 2)),
-                            (48, 70, 600, None)):
+                            (7, 70, 1100, (64, 128, 4, 4, 4)), (48, 70, 600, None)):
         x = (torch.randn(m, k + 8, generator=g) * 4).half().to(DEVICE)[:, :k]  # rows k + 8 apart
         w = (torch.randn(n, k, generator=g) * 0.05).half()
         b = torch.randn(n, generator=g).half() if bias else None
@@ -167,7 +168,8 @@ def test_rms_norm_rows_and_silu_and_mul_rows(has_residual):
 
 
 @pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("k,n", [(1024, 4096), (2048, 1024), (3072, 1024), (1024, 6144), (896, 1152)])
+@pytest.mark.parametrize("k,n", [(1024, 4096), (2048, 1024), (3072, 1024), (1024, 6144), (896, 1152), (4096, 6144),
+                                 (12288, 4096)])
 @pytest.mark.parametrize("m", [2, 7, 16, 32, 48, 64])
 def test_linear_few_rows_on_the_gpu(k, n, m):
     """A linear method and norm_linear() at 2-64 rows of bf16 take skinny_gemm.py's kernels with the default

@@ -102,18 +102,22 @@ def silu_and_mul_rows_kernel(x_ptr, y_ptr, K, BLOCK_K: tl.constexpr, PDL: tl.con
 
 def skinny_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) for 16-bit weights, from sweeps on an H100 at
-    Qwen3-0.6B's shapes (docs/perf-log.md, 2026-11-25, 2026-11-26).
+    Qwen3-0.6B's shapes (docs/perf-log.md, 2026-11-25, 2026-11-26) unless said.
     Up to 16 rows with K <= 3072: each program takes one K step in one stage, so it loads its whole
     weight slice before the PDL wait, and the grid leaves room on every SM for the next kernel's
     programs, which load theirs while this one runs: 32 weight rows per program (16 on 2 warps for
     N > 4096), all of K where that gives 128+ programs and K <= 1024, else K in 512-wide slices.
     In the chain (`benchmarks/decode_gemm.py`) a layer 25.1-26.0 -> 20.9-22.6 us at 2-16 rows; at
     24-32 rows the same rule lost (28.7 -> 30.5), and tilings of products timed alone miss this.
-    Otherwise (up to 16 rows, larger K): 32 weight rows per program, 16 for the widest products; K
-    split in 4 where N gives fewer than 128 programs; as many pipeline stages (up to 4) as fit in
-    200 KB of shared memory, or in 100 KB where there are more programs than the H100's 132 SMs.
-    At 17-32 rows 4 stages, 2 warps where programs outnumber the SMs, and a split in 2 of 16-row
-    tiles where 4 slices would not be whole 512-wide steps (down_proj): a layer 30.4-30.8 -> 28.1-28.8 us.
+    Up to 16 rows with K > 3072 (Qwen3-8B's four products; a verify step's 1 + k rows of one
+    sequence): 64 weight rows per program in 4 stages of 128-wide K steps, K split in 4 where N
+    gives fewer than 128 tiles, 2 warps where it does not (gate_up_proj): from a sweep of each
+    product alone at 5 rows on an H200 (gate_up_proj 55.1 -> 47.6 us), in the chain of a layer's
+    products (`decode_gemm.py --model qwen3-8b`) 109.5 -> 105.0 us at 2 rows, 112.0 -> 106.6 at 5,
+    112.3 -> 109.8 at 16 (docs/perf-log.md, 2026-11-28).
+    At 17-32 rows 32 weight rows per program, K split in 4 where N gives fewer than 128 programs,
+    4 stages, 2 warps where programs outnumber the SMs, and a split in 2 of 16-row tiles where 4
+    slices would not be whole 512-wide steps (down_proj): a layer 30.4-30.8 -> 28.1-28.8 us.
     At 33-64 rows 64 weight rows per program (the full height of Hopper's MMA) in 128-wide K steps,
     K split in 4 for outputs of up to 2048 (o_proj, down_proj): a layer 33.1-33.4 -> 28.7-29.9 us
     against cuBLAS."""
@@ -124,17 +128,16 @@ def skinny_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
         if triton.cdiv(n, block_n) >= 128 and k <= 1024:
             return block_n, triton.next_power_of_2(k), warps, 1, 1
         return block_n, 512, warps, 1, triton.cdiv(k, 512)
-    block_n = 16 if n > 4096 and m <= 16 else 32
+    if m <= 16:  # K > 3072 (Qwen3-8B's products): the full MMA height in 4 stages of 128-wide steps
+        split = 4 if triton.cdiv(n, 64) < 128 else 1
+        return 64, 128, 4 if split > 1 else 2, 4, split
+    block_n = 32  # 17-32 rows
     split = 4 if triton.cdiv(n, block_n) < 128 and k >= 1024 else 1
-    if m > 16 and split == 4 and (k // 4) % 512:
+    if split == 4 and (k // 4) % 512:
         block_n, split = 16, 2
-    block_k = 512 if (k // split) % 512 == 0 and not (n > 4096 and m > 16) else 256
+    block_k = 512 if (k // split) % 512 == 0 and n <= 4096 else 256
     programs = triton.cdiv(n, block_n) * split
-    if m > 16:
-        return block_n, block_k, 2 if programs > 132 else 4, 4, split
-    stage_bytes = (block_n + max(16, triton.next_power_of_2(m))) * block_k * 2
-    smem = 200_000 if programs <= 132 else 100_000
-    return block_n, block_k, 4 if block_n == 32 else 2, min(4, smem // stage_bytes), split
+    return block_n, block_k, 2 if programs > 132 else 4, 4, split
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
