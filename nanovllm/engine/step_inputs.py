@@ -156,7 +156,9 @@ class Stager:
         if self.device.type == "cuda":
             flat = slot[0][:total].to(self.device, non_blocking=True)
             slot[1].record(self.stream)
-        return [flat[start:start + n].view(d).view(a.shape) for a, d, start, n in zip(arrays, dtypes, starts, nbytes)]
+        typed = {d: flat.view(d) for d in set(dtypes)}  # then one slice an array: a step's host time is in torch calls
+        out = [typed[d][start // d.itemsize:(start + n) // d.itemsize] for d, start, n in zip(dtypes, starts, nbytes)]
+        return [x if a.ndim == 1 else x.view(a.shape) for x, a in zip(out, arrays)]
 
     def upload_plan(self, plan: StepPlan, extra: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Every array of the plan on the device, by field name (StepPlan.INT32 as int32, the rest
