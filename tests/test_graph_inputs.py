@@ -59,3 +59,25 @@ def test_graph_inputs_match_the_torch_copies(n, batch_size, width, num_pending, 
     assert (graph_ids[:num_tokens] != PLACEHOLDER).all()
     for name in ("positions", "slot_mapping", "context_lens", "block_tables"):
         assert torch.equal(getattr(graph_meta, name), getattr(ref_meta, name)), name
+
+
+def test_a_graphs_static_metadata_written_onto_itself_stays_as_it_was():
+    """What CUDAGraphRunner.capture does for each (batch size, q_len) to compile the kernel before any
+    generate call: every buffer keeps its values."""
+    from nanovllm.layers.attention.base import AttentionBackend
+    gen = torch.Generator().manual_seed(7)
+    backend = AttentionBackend()
+    backend.init_graph_state(8, 6, [1, 5], torch.device(DEVICE))
+    for buffer in (backend.graph_meta.positions, backend.graph_meta.slot_mapping, backend.graph_meta.context_lens,
+                   backend.graph_meta.block_tables):
+        buffer.copy_(torch.randint(0, 1000, buffer.shape, generator=gen))
+    ids = torch.randint(0, 50_000, (40,), generator=gen).to(DEVICE)
+    for batch_size, q_len in ((8, 1), (3, 1), (8, 5), (2, 5)):
+        meta = backend.graph_metadata(batch_size, q_len)
+        before = [x.clone() for x in (ids, *(getattr(backend.graph_meta, n) for n in
+                                            ("positions", "slot_mapping", "context_lens", "block_tables")))]
+        write_graph_inputs(batch_size, ids[:batch_size * q_len], None, None, meta, ids, backend.graph_meta,
+                           PLACEHOLDER, q_len)
+        after = (ids, *(getattr(backend.graph_meta, n) for n in ("positions", "slot_mapping", "context_lens",
+                                                                 "block_tables")))
+        assert all(torch.equal(a, b) for a, b in zip(after, before)), (batch_size, q_len)

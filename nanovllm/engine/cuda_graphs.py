@@ -63,6 +63,10 @@ class CUDAGraphRunner:
         keys = [(bs, q) for q, sizes in self.batch_sizes.items() for bs in sizes]
         for bs, q_len in sorted(keys, key=lambda key: key[0] * key[1], reverse=True):
             meta = self.backend.graph_metadata(bs, q_len)
+            # the kernel that writes a step's inputs, compiled for this q_len now rather than in the
+            # generate call that first replays it (the static metadata written onto itself)
+            write_graph_inputs(bs, self.input_ids[:bs * q_len], None, None, meta, self.input_ids,
+                               self.backend.graph_meta, PLACEHOLDER, q_len)
             for variant in self.lora.graph_variants(bs * q_len) if self.lora else [None]:
                 if self.lora:
                     self.lora.use_graph(bs * q_len, variant)
