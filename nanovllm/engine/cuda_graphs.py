@@ -85,14 +85,14 @@ class CUDAGraphRunner:
         self.outputs[:num_tokens] = self.model(self.input_ids[:num_tokens], meta)
         self.model.lm_head(self.outputs[:num_tokens], out=self.logits[:num_tokens])
 
-    def graph_for(self, meta: AttentionMetadata) -> tuple[int, int] | None:
-        """The captured (batch size, q_len) that serves this step, or None (not uniform, a q_len
-        without graphs, or too many sequences)."""
-        sizes = self.batch_sizes.get(meta.uniform_q_len)
+    def graph_for(self, plan) -> tuple[int, int] | None:
+        """The captured (batch size, q_len) that serves a step (its StepPlan), or None (not uniform,
+        a q_len without graphs, or too many sequences)."""
+        sizes = self.batch_sizes.get(plan.uniform_q_len)
         if sizes is None or not self.graphs:
             return None
-        n = meta.context_lens.size(0)
-        return next(((b, meta.uniform_q_len) for b in sizes if b >= n), None)
+        n = len(plan.context_lens)
+        return next(((b, plan.uniform_q_len) for b in sizes if b >= n), None)
 
     def replay(self, key: tuple[int, int], input_ids: torch.Tensor, pending: torch.Tensor | None,
                sampled: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

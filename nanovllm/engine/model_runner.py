@@ -210,14 +210,14 @@ class ModelRunner:
         ids, TokenLogprobs or None) and the TokenLogprobs of plan.prompt_rows (each None when
         there are none; both None on the other ranks)."""
         with region("prepare_inputs"):
-            arrays = self.backend.host_arrays(plan)
+            graph = self.graph_runner.graph_for(plan) if self.graph_runner else None
+            arrays = self.backend.host_arrays(plan, graphed=graph is not None)
             if self.lora:
                 arrays = arrays | LoRAManager.host_arrays(plan.lora)
             tensors = self.stager.upload_plan(plan, arrays)
             if self.lora:
                 self.lora.begin_step(plan.lora, tensors)
             meta = self.backend.build_metadata(plan, tensors)
-            graph = self.graph_runner.graph_for(meta) if self.graph_runner else None
             pending = tensors.get("pending") if plan.input_ids is not None and len(plan.pending) else None
             if plan.input_ids is None:  # a tensor-parallel worker: rank 0 broadcasts the ids
                 input_ids = torch.empty(int(plan.cu_seqlens_q[-1]), dtype=torch.int64, device=self.device)

@@ -77,9 +77,10 @@ class AttentionBackend:
         self.v_scales = no_scales if kv_cache is None or kv_cache.scales is None else list(kv_cache.scales[1])
         self.staging = None if kv_cache is None else kv_cache.staging
 
-    def host_arrays(self, plan) -> dict:
+    def host_arrays(self, plan, graphed: bool = False) -> dict:
         """Arrays of this backend's own, computed on the host from the step's StepPlan and uploaded
-        with it (build_metadata finds them among the tensors by name): none here."""
+        with it (build_metadata finds them among the tensors by name), for a step that runs eagerly
+        or (graphed) replays a CUDA graph: none here."""
         return {}
 
     def build_metadata(self, plan, tensors: dict[str, torch.Tensor]) -> AttentionMetadata:

@@ -75,11 +75,13 @@ class TritonBackend(AttentionBackend):
         return (c.dtype in (torch.bfloat16, torch.float16) and c.size(3) == gluon_prefill.HEAD_DIM
                 and c.size(1) % gluon_prefill.BLOCK_N == 0 and c.is_contiguous())
 
-    def host_arrays(self, plan) -> dict:
-        """A prefill step: gluon_prefill's work list (prefill_work) where gluon_usable; a float8
-        cache's: the blocks its q tiles read (staged_blocks) and the block tables renumbered into
-        the staging area (staged_tables), when they fit there (staging_plan)."""
-        if plan.is_decode:
+    def host_arrays(self, plan, graphed: bool = False) -> dict:
+        """A prefill step that runs eagerly: gluon_prefill's work list (prefill_work) where
+        gluon_usable; a float8 cache's: the blocks its q tiles read (staged_blocks) and the block
+        tables renumbered into the staging area (staged_tables), when they fit there
+        (staging_plan). A graph (decode, verify runs) takes neither: ~36 us a verify step of the
+        host's on an H100 (docs/perf-log.md, 2026-11-28)."""
+        if plan.is_decode or graphed:
             return {}
         if self.gluon_prefill:
             from nanovllm.kernels.gluon_prefill import work_list
