@@ -1,4 +1,4 @@
-"""FP8-weight GEMMs of Qwen3-8B (and -0.6B with --model qwen3-0.6b) at decode batch sizes: bf16
+"""FP8-weight GEMMs of Qwen3-8B (or --model qwen3-0.6b, qwen3-30b-a3b's attention) at decode batch sizes: bf16
 cuBLAS (F.linear), the W8A8 path (fp8_kernel.quantize_rows + torch._scaled_mm, row-wise scales)
 and the W8A16 Triton kernel (fp8_kernel.fp8_weight_gemm, tensor cores) in several tilings; one row
 is benchmarks/gemv.py's. Each timing is a CUDA
@@ -21,7 +21,8 @@ from nanovllm.kernels.fp8_gemm import fp8_weight_gemm, quantize_rows
 SHAPES = {"qwen3-8b": {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (24576, 4096),
                        "down_proj": (4096, 12288)},
           "qwen3-0.6b": {"qkv_proj": (4096, 1024), "o_proj": (1024, 2048), "gate_up_proj": (6144, 1024),
-                         "down_proj": (1024, 3072)}}
+                         "down_proj": (1024, 3072)},
+          "qwen3-30b-a3b": {"qkv_proj": (5120, 2048), "o_proj": (2048, 4096)}}  # attention's; experts: moe.py
 CONFIGS = [(16, 256, 4, 4), (16, 512, 4, 3), (16, 512, 8, 4), (32, 256, 4, 4), (32, 512, 4, 3), (32, 128, 4, 4),
            (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4), (128, 256, 8, 3)]
 

@@ -1,9 +1,11 @@
-"""One-row products (the decode step of one sequence) of Qwen3-0.6B and -8B: cuBLAS (F.linear) and
-the float8 W8A16 GEMM against kernels/gemv.py's kernel with its default tiling, in bf16 and float8
-weights, down_proj with silu(gate) * up as a kernel of its own against fused into the GEMV's
-loads, and qkv/gate_up with the RMSNorm (and residual add) before them likewise. Each timing is a CUDA graph of 28 products with 28 different weights (decode_gemm.time_graph:
-weights from HBM, not L2), us per product; every result is first checked against a float32
-product. --sweep times every tiling of a grid instead and prints the fastest per model and dtype.
+"""One-row products (the decode step of one sequence) of Qwen3-0.6B and -8B, and Qwen3-30B-A3B's
+attention: cuBLAS (F.linear) and the float8 W8A16 GEMM against kernels/gemv.py's kernel with its
+default tiling, in bf16 and float8 weights, down_proj with silu(gate) * up as a kernel of its
+own against fused into the GEMV's loads, and qkv/gate_up with the RMSNorm (and residual add)
+before them likewise. Each timing is a CUDA graph of 28 products with 28 different weights
+(decode_gemm.time_graph: weights from HBM, not L2), us per product; every result is first checked
+against a float32 product. --sweep times every tiling of a grid instead and prints the fastest per
+model and dtype.
 
     python benchmarks/gemv.py [--sweep]
 """
