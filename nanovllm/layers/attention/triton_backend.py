@@ -79,8 +79,8 @@ class TritonBackend(AttentionBackend):
         """A prefill step that runs eagerly: gluon_prefill's work list (prefill_work) where
         gluon_usable; a float8 cache's: the blocks its q tiles read (staged_blocks) and the block
         tables renumbered into the staging area (staged_tables), when they fit there
-        (staging_plan). A graph (decode, verify runs) takes neither: ~36 us a verify step of the
-        host's on an H100 (docs/perf-log.md, 2026-11-28)."""
+        (staging_plan). A step that replays a graph (decode, verify runs) reads neither, and the
+        work list cost a verify step ~36 us of host time on an H100 (docs/perf-log.md, 2026-11-28)."""
         if plan.is_decode or graphed:
             return {}
         if self.gluon_prefill:
