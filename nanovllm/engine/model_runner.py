@@ -44,10 +44,12 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, config: Config, rank: int = 0, store_path: str | None = None, workers=None,
-                 symmetric: bool = False):
+                 symmetric: bool = False, aux_layers: tuple[int, ...] = (), draft_head: bool = False):
         """rank, store_path: this process's tensor-parallel rank and the FileStore where the ranks
         meet (tensor_parallel_size > 1); workers: rank 0's TPWorkers (whose store_path and symmetric
-        it uses); symmetric: sum decode-sized partial sums through symmetric memory (process_group)."""
+        it uses); symmetric: sum decode-sized partial sums through symmetric memory (process_group).
+        aux_layers: the layers whose input hidden states an EAGLE-3 draft reads, kept per KV slot
+        (kv_cache.hidden; one rank only). draft_head: the model is an EAGLE-3 head (models/registry.py)."""
         self.config, self.hf_config = config, config.hf_config
         self.rank, self.world_size, self.workers = rank, config.tensor_parallel_size, workers
         self.device, self.dtype = config.device, config.dtype
@@ -66,7 +68,12 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.backend = make_backend(config.attention_backend)
         self.lora = LoRAManager(config) if config.enable_lora else None  # LoRA adapters' slots
-        self.model = self._build_model()
+        self.model = self._build_model(draft_head)
+        if draft_head:  # its static hidden-state input, before the warm-up and the graphs use it
+            self.model.allocate(config.max_num_batched_tokens)
+        self.aux_layers = aux_layers
+        if aux_layers:
+            self.model.model.aux_layers = aux_layers
         self.sampler = StepSampler(config, self.model.lm_head, self.device)
         # what execute() uses, set before the warm-up step that sizes the KV cache runs it
         self.stager = Stager(self.device)
@@ -78,14 +85,15 @@ class ModelRunner:
         step_blocks = -(-config.max_num_batched_tokens // self.block_size) + config.max_num_seqs
         self.kv_spec = KVCacheSpec(self.hf_config.num_hidden_layers, self.block_size, layer.num_kv_heads,
                                    layer.head_dim, config.kv_cache_dtype,
-                                   step_blocks if self.backend.stages_float8_prefill else 0, self.dtype)
+                                   step_blocks if self.backend.stages_float8_prefill else 0, self.dtype,
+                                   len(aux_layers) * self.hf_config.hidden_size)
         self.num_kvcache_blocks = num_kv_blocks(config, self.kv_spec, self.max_blocks_per_seq, self._warmup,
                                                 self.device, self.world_size)
         # what one sequence may hold: max_model_len, or all of the pool when max_model_len was left
         # unset and the model's maximum does not fit (the engine then lowers max_model_len)
         self.max_model_len = min(config.max_model_len, self.num_kvcache_blocks * self.block_size)
         self.kv_cache = self.kv_spec.allocate(self.num_kvcache_blocks, self.device)
-        self.backend.bind_kv_cache(self.kv_cache)
+        self._bind_kv_cache(self.kv_cache)
         if self.device.type == "cuda":
             # allocating pinned memory per step would synchronize the device; events are reused likewise
             rows = config.max_num_seqs + config.max_num_batched_tokens  # sampled rows: a step's drafts add theirs
@@ -93,13 +101,13 @@ class ModelRunner:
             if not config.enforce_eager and self.backend.supports_cuda_graphs:
                 from nanovllm.engine.cuda_graphs import CUDAGraphRunner  # Triton's: with CUDA only
                 self.graph_runner = CUDAGraphRunner(self.model, self.backend, config, self.max_blocks_per_seq,
-                                                    self.hf_config.hidden_size, self.model.lm_head.weight.size(0),
+                                                    self.hf_config.hidden_size, self.model.lm_head.logits_width,
                                                     self.dtype, self.device, workers.graphs if workers else {},
                                                     self.lora and self.lora.context)
                 self.graph_runner.capture()
 
-    def _build_model(self):
-        cls, tp = model_class(self.hf_config), TensorParallel(self.rank, self.world_size, self.tp_group,
+    def _build_model(self, draft_head: bool):
+        cls, tp = model_class(self.hf_config, draft_head), TensorParallel(self.rank, self.world_size, self.tp_group,
                                                                    self.config.enable_expert_parallel)
         torch.manual_seed(self.config.seed)
         default_dtype = torch.get_default_dtype()
@@ -139,16 +147,21 @@ class ModelRunner:
             next_block += len(seq.block_table)
             scheduled.append((seq, n))
         cache = self.kv_spec.allocate(next_block, self.device)
-        self.backend.bind_kv_cache(cache)
+        self._bind_kv_cache(cache)
         plan, seqs, _, _ = plan_step(scheduled, bs, {})
         self.execute(plan, st=self.sampler.prepare(seqs, {}, None))  # greedy: under tensor parallelism, from shards
-        logits = torch.zeros(cfg.max_num_seqs, self.model.lm_head.weight.size(0), device=self.device, dtype=self.dtype)
+        logits = torch.zeros(cfg.max_num_seqs, self.model.lm_head.logits_width, device=self.device, dtype=self.dtype)
         self.sampler(logits, SamplingTensors(torch.ones(cfg.max_num_seqs, device=self.device)))  # compiles its kernel
         del logits
-        self.backend.bind_kv_cache(None)
+        self._bind_kv_cache(None)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return cache.nbytes
+
+    def _bind_kv_cache(self, cache):
+        self.backend.bind_kv_cache(cache)
+        if self.aux_layers:
+            self.model.model.aux_store = cache and cache.hidden
 
     # ---- one step ----------------------------------------------------------------------------
 

@@ -54,6 +54,11 @@ class ParallelLMHead(VocabParallelEmbedding):
             return gemv(x, self.weight, out=out)
         return F.linear(x, self.weight) if out is None else torch.matmul(x, self.weight.t(), out=out)
 
+    @property
+    def logits_width(self) -> int:
+        """Columns of forward's logits: this rank's slice of the vocabulary."""
+        return self.weight.size(0)
+
     def gather(self, logits: torch.Tensor) -> torch.Tensor | None:
         if self.tp_size == 1:
             return logits

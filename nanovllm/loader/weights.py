@@ -145,7 +145,9 @@ def dummy_weights(model_cls, hf_config, seed: int, device: torch.device,
             shape = (param.size(1) // len(fragments), param.size(2))
             pieces = [(f"{prefix}.experts.{e}.{f}.weight", shape) for e in range(param.size(0)) for f in fragments]
         for piece, shape in pieces:
-            if piece.endswith("norm.weight"):
+            if not param.dtype.is_floating_point:  # an index map (an EAGLE-3 head's d2t): the identity
+                yield piece, torch.zeros(shape, device=device, dtype=param.dtype)
+            elif piece.endswith("norm.weight"):
                 yield piece, torch.ones(shape, device=device, dtype=dtype)
             elif piece.endswith("bias"):
                 yield piece, torch.zeros(shape, device=device, dtype=dtype)

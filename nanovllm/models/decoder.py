@@ -87,7 +87,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """make_mlp(layer_idx) builds each layer's MLP block."""
+    """make_mlp(layer_idx) builds each layer's MLP block. aux_layers (set by the model runner for an
+    EAGLE-3 draft): layers whose input, the residual stream x + residual ([T, hidden_size]; layer
+    0's: the embeddings), each step writes to aux_store [slots + 1, len(aux_layers) * hidden_size]
+    at its tokens' KV slots, concatenated in that order (vLLM's eagle_aux_hidden_state_layer_ids
+    count the same way: id j is the input of layer j). Slot -1 (graph padding) writes the last row."""
+    aux_layers: tuple[int, ...] = ()
+    aux_store: torch.Tensor | None = None
 
     def __init__(self, config, qkv_bias: bool, qk_norm: bool, tp: TensorParallel, backend: AttentionBackend | None,
                  quant_method: LinearMethod | None, make_mlp: Callable[[int], nn.Module]):
@@ -100,8 +106,14 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        aux = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux[i] = x if residual is None else x + residual
             x, residual = layer(x, residual, meta)
+        if aux:  # slot -1 -> the last row: a plain index, so that CUDA graphs capture it
+            rows = meta.slot_mapping.remainder(self.aux_store.size(0))
+            self.aux_store[rows] = torch.cat([aux[i] for i in self.aux_layers], -1)
         # with tensor parallelism x is each rank's partial sums, summed with the norm
         x, _ = self.group.all_reduce_rms_norm(x, residual, self.norm) if self.group else self.norm(x, residual)
         return x

@@ -13,18 +13,20 @@ GREEDY = SamplingParams(temperature=0.0)
 DRAFT_POOL_TOKENS = 32768  # the most tokens of the draft's KV pool (3.8 GB for Qwen3-0.6B in bf16)
 
 
-def draft_config(config: Config) -> Config:
+def draft_config(config: Config, any_positions: bool = False) -> Config:
     """The draft model's engine configuration: the target's dtype, device, attention backend, block
     size and step budget, one rank, and a KV pool of its own for the sequences that speculate:
     min(max_num_seqs, disable_by_batch_size) of max_model_len, DRAFT_POOL_TOKENS at most (and one
-    max_model_len sequence at least). ValueError when its vocabulary is not the target's."""
+    max_model_len sequence at least). ValueError when its vocabulary is not the target's.
+    any_positions: the draft takes the target's max_model_len whatever its config's
+    max_position_embeddings (an EAGLE-3 head's rotary table is then made that long, as vLLM does)."""
     spec, block_size = config.speculative_config, config.kvcache_block_size
     most = min(config.max_num_seqs, spec.disable_by_batch_size or config.max_num_seqs)
     tokens = max(min(most * config.max_model_len, DRAFT_POOL_TOKENS), config.max_model_len)
     dtype = next(name for name, d in DTYPES.items() if d == config.dtype)
     draft = Config.create(EngineArgs(
         spec.model, max_num_seqs=most, max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=config.max_model_len, kvcache_block_size=block_size,
+        max_model_len=None if any_positions else config.max_model_len, kvcache_block_size=block_size,
         num_kvcache_blocks=-(-tokens // block_size), enable_prefix_caching=False,
         enforce_eager=config.enforce_eager, dtype=dtype, device=config.device.type,
         load_format="dummy" if config.load_format == "dummy" else "auto", attention_backend=config.attention_backend,
@@ -32,7 +34,10 @@ def draft_config(config: Config) -> Config:
     if draft.hf_config.vocab_size != config.hf_config.vocab_size:
         raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of {draft.hf_config.vocab_size} "
                          f"tokens, the target {config.hf_config.vocab_size}: a draft model must share the target's")
-    return replace(draft, eos_token_ids=config.eos_token_ids)
+    if any_positions:
+        hf = draft.hf_config
+        hf.max_position_embeddings = max(hf.max_position_embeddings, config.max_model_len)
+    return replace(draft, eos_token_ids=config.eos_token_ids, max_model_len=config.max_model_len)
 
 
 class DraftModelProposer(Proposer):
@@ -61,10 +66,11 @@ class DraftModelProposer(Proposer):
     A sequence whose catch-up does not fit the step budget, or whose KV does not fit the pool,
     gets no drafts this time."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, draft: Config | None = None, draft_head: bool = False):
+        """draft, draft_head: a subclass's draft configuration and model kind (ModelRunner's)."""
         self.k = config.speculative_config.num_speculative_tokens
-        self.config = draft_config(config)
-        self.runner = ModelRunner(self.config)
+        self.config = draft or draft_config(config)
+        self.runner = ModelRunner(self.config, draft_head=draft_head)
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.kvcache_block_size, False)
         self.shadows: dict[int, Sequence] = {}  # seq_id -> its shadow
 
@@ -72,7 +78,7 @@ class DraftModelProposer(Proposer):
         shadows, self.shadows = self.shadows, {}
         for seq_id in shadows.keys() - {seq.seq_id for seq in seqs}:  # no longer decoding: its KV goes
             self.block_manager.free(shadows[seq_id])
-        budget, scheduled, sampling = self.config.max_num_batched_tokens, [], []  # sampling: (seq, shadow)
+        budget, scheduled, owners, sampling = self.config.max_num_batched_tokens, [], [], []  # sampling: (seq, shadow)
         for seq in seqs:
             shadow = self._follow(shadows.get(seq.seq_id), seq)
             n = min(len(shadow) - shadow.num_computed_tokens, budget)
@@ -83,12 +89,13 @@ class DraftModelProposer(Proposer):
             self.shadows[seq.seq_id] = shadow
             shadow.num_computed_tokens += n
             scheduled.append((shadow, n))
+            owners.append(seq)
             budget -= n + (self.k - 1 if whole else 0)
             if whole:
                 sampling.append((seq, shadow))
         if not scheduled:
             return [[] for _ in seqs]
-        launched = [self.runner.run(scheduled)]
+        launched = [self._catch_up(scheduled, owners, sampling)]
         tokens = []  # per draft step, each sampling shadow's token
         for _ in range(self.k - 1 if sampling else 0):  # each next draft from the last, on the device
             if len(launched) > 1:  # the runner keeps two steps' tokens unread at most: read the older first
@@ -104,11 +111,16 @@ class DraftModelProposer(Proposer):
             shadow.token_ids[len(shadow) - len(run) + 1:] = run[:-1]  # its computed drafts (the last is not)
         return [drafts.get(seq.seq_id, []) for seq in seqs]
 
+    def _catch_up(self, scheduled: list[tuple[Sequence, int]], owners: list[Sequence], sampling: list[tuple]):
+        """Launch a proposal's first draft step: the scheduled (shadow, new tokens) of owners' (the
+        target's sequences), the shadows of `sampling` drawing the first draft."""
+        return self.runner.run(scheduled)
+
     def _follow(self, shadow: Sequence | None, seq: Sequence) -> Sequence:
         """seq's shadow, made to hold seq's tokens: the draft's KV kept for the longest common prefix
         of what it computed and seq's tokens (a new shadow computes them all)."""
         if shadow is None:
-            shadow = Sequence(seq.token_ids, _draft_params(seq))
+            shadow = Sequence(seq.token_ids, draft_params(seq))
             shadow.num_prompt_tokens = seq.num_prompt_tokens  # its rows sample seq's completion indices
             return shadow
         computed = shadow.num_computed_tokens
@@ -124,7 +136,7 @@ class DraftModelProposer(Proposer):
             self.block_manager.free(shadow)
 
 
-def _draft_params(seq: Sequence) -> SamplingParams:
+def draft_params(seq: Sequence) -> SamplingParams:
     """How seq's shadow draws its drafts: greedy for a greedy completion, else with seq's
     temperature, filters and seed (its noise), the processors left out (a completion with some
     gets no drafts: EngineCore.draft_room)."""

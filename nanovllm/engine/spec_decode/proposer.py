@@ -6,6 +6,10 @@ class Proposer:
     """Proposes draft tokens on the host for decoding sequences, whose every token is known
     (none is PLACEHOLDER: the engine reads the step in flight first, engine/spec_decode/speculator.py).
     The engine verifies them in the sequence's next step (EngineCore.add_draft_tokens)."""
+    aux_layers: tuple[int, ...] = ()  # target layers whose input hidden states the proposer reads (EAGLE-3)
+
+    def bind(self, runner) -> None:
+        """Meet the target's ModelRunner once it is built (after the proposer, whose memory comes first)."""
 
     def propose(self, seqs: list[Sequence]) -> list[list[int]]:
         """For each sequence, at most num_speculative_tokens draft token ids (ints) to follow its
@@ -34,4 +38,7 @@ def make_proposer(config) -> Proposer:
     if spec.method == "draft_model":
         from nanovllm.engine.spec_decode.draft_model import DraftModelProposer
         return DraftModelProposer(config)
+    if spec.method == "eagle3":
+        from nanovllm.engine.spec_decode.eagle3 import Eagle3Proposer
+        return Eagle3Proposer(config)
     raise ValueError(f"no proposer for speculative method {spec.method!r}")
