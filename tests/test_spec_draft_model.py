@@ -119,15 +119,16 @@ def test_a_draft_model_beside_a_tensor_parallel_target(tiny_qwen3):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_draft_model_under_cuda_graphs(tiny_qwen3):
-    """The draft's own steps replay its q_len 1 graphs, the target's verify steps its q_len 1 + k ones;
-    the tokens are greedy up to TF32 near-ties; the draft's pool is sized before the target's."""
+    """The draft's own steps replay its q_len 1 graphs and its greedy chains' graphs, the target's
+    verify steps its q_len 1 + k ones; the tokens are greedy up to TF32 near-ties; the draft's
+    pool is sized before the target's."""
     path, hf_model = tiny_qwen3
     args = dict(device="cuda", dtype="float32", max_model_len=256, gpu_memory_utilization=0.3, kvcache_block_size=16)
     prompts = repetitive_prompts() + random_prompts([9, 30], seed=4)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     spec = LLM(path, **args, speculative_config={"model": path, "num_speculative_tokens": 3})
     proposer = spec.engine.speculator.proposer
-    assert proposer.runner.graph_runner is not None and (1, 4) in spec.engine.model_runner.graph_runner.graphs
+    assert proposer.runner.graph_runner.chains and (1, 4) in spec.engine.model_runner.graph_runner.graphs
     ours = outputs(spec, prompts, params)
     assert all(tf32_greedy(hf_model, p, o[0][0]) for p, o in zip(prompts, ours))
     m = spec.engine.spec_metrics

@@ -174,7 +174,7 @@ def test_what_an_eagle3_head_cannot_do_fails_up_front(tiny_qwen3, head, tmp_path
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_eagle3_head_under_cuda_graphs(tiny_qwen3, head):
-    """The head's steps replay its q_len 1 graphs (reading the hidden-state input they captured), the
+    """The head's steps replay its graphs (reading the hidden-state input they captured), the
     target's verify steps its q_len 1 + k ones; each draft is the reference's argmax up to twice
     the TF32 error of test_spec_decode.tf32_greedy, until the first draft that is not (its later
     drafts follow it); greedy outputs are transformers' up to TF32 near-ties."""
@@ -183,7 +183,7 @@ def test_gpu_eagle3_head_under_cuda_graphs(tiny_qwen3, head):
     k = 3
     args = dict(device="cuda", dtype="float32", max_model_len=256, gpu_memory_utilization=0.3, kvcache_block_size=16)
     spec = LLM(path, **args, speculative_config={"method": "eagle3", "model": head_path, "num_speculative_tokens": k})
-    assert spec.engine.speculator.proposer.runner.graph_runner is not None
+    assert spec.engine.speculator.proposer.runner.graph_runner.chains  # its k - 1 greedy steps: one graph
     assert (1, 1 + k) in spec.engine.model_runner.graph_runner.graphs
     seen = record_proposals(spec, k)
     prompts = repetitive_prompts() + random_prompts([9, 30], seed=4)

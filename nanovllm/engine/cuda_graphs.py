@@ -81,6 +81,32 @@ class CUDAGraphRunner:
         if self.lora:
             self.lora.clear()
 
+    @torch.inference_mode()
+    def capture_chains(self, steps: int, chain):
+        """Graphs of a draft model's greedy chains of `steps` decode steps, one per decode batch size
+        bs, in the pool of the graphs captured before: chain(input_ids [bs], meta, tokens [steps,
+        bs]) on the static buffers, its tokens in chain_tokens."""
+        self.chain_tokens = torch.zeros(steps, self.batch_sizes[1][-1], dtype=torch.int64, device=self.input_ids.device)
+        self.chains, pool = {}, next(iter(self.graphs.values())).pool()
+        for bs in reversed(self.batch_sizes[1]):
+            args = self.input_ids[:bs], self.backend.graph_metadata(bs, 1), self.chain_tokens[:, :bs]
+            chain(*args)  # warm-up
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                chain(*args)
+            self.chains[bs] = graph
+            graph.replay()
+            torch.cuda.synchronize()
+
+    def replay_chain(self, batch_size: int, input_ids: torch.Tensor, pending: torch.Tensor | None,
+                     sampled: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
+        """The chain of n <= batch_size sequences from their first step (inputs as replay's): its
+        tokens [steps, n], a view of a static buffer that the next replay overwrites."""
+        write_graph_inputs(batch_size, input_ids, pending, sampled, meta, self.input_ids, self.backend.graph_meta,
+                           PLACEHOLDER, 1)
+        self.chains[batch_size].replay()
+        return self.chain_tokens[:, :input_ids.size(0)]
+
     def _forward(self, num_tokens: int, meta: AttentionMetadata):
         self.outputs[:num_tokens] = self.model(self.input_ids[:num_tokens], meta)
         self.model.lm_head(self.outputs[:num_tokens], out=self.logits[:num_tokens])

@@ -31,6 +31,18 @@ from nanovllm.sampling_params import SamplingParams
 PROMPT_LOGITS_ROWS = 1024  # logits rows made at once for prompt logprobs: 0.6 GB in float32 for a 151,936 vocabulary
 
 
+def greedy_chain(model, input_ids: torch.Tensor, meta, block_size: int, tokens: torch.Tensor) -> torch.Tensor:
+    """tokens.size(0) greedy decode steps from input_ids [B] (meta: the first step's, advanced in
+    place), each step's argmax the next step's input: tokens [steps, B] int64, written."""
+    valid = meta.slot_mapping >= 0
+    for t in range(tokens.size(0)):
+        tokens[t] = model.lm_head(model(input_ids, meta)).argmax(-1)
+        if t + 1 < tokens.size(0):
+            input_ids.copy_(tokens[t])
+            meta.advance(valid, block_size)
+    return tokens
+
+
 @dataclass
 class LaunchedStep:
     """A step launched on the device, whose sampled tokens (one a row) the engine reads later (read_tokens)."""
@@ -44,12 +56,14 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, config: Config, rank: int = 0, store_path: str | None = None, workers=None,
-                 symmetric: bool = False, aux_layers: tuple[int, ...] = (), draft_head: bool = False):
+                 symmetric: bool = False, aux_layers: tuple[int, ...] = (), draft_head: bool = False,
+                 chain_steps: int = 0):
         """rank, store_path: this process's tensor-parallel rank and the FileStore where the ranks
         meet (tensor_parallel_size > 1); workers: rank 0's TPWorkers (whose store_path and symmetric
         it uses); symmetric: sum decode-sized partial sums through symmetric memory (process_group).
         aux_layers: the layers whose input hidden states an EAGLE-3 draft reads, kept per KV slot
-        (kv_cache.hidden; one rank only). draft_head: the model is an EAGLE-3 head (models/registry.py)."""
+        (kv_cache.hidden; one rank only). draft_head: the model is an EAGLE-3 head (models/registry.py).
+        chain_steps: a draft model's greedy chains of that many steps get CUDA graphs (run_chain)."""
         self.config, self.hf_config = config, config.hf_config
         self.rank, self.world_size, self.workers = rank, config.tensor_parallel_size, workers
         self.device, self.dtype = config.device, config.dtype
@@ -105,6 +119,9 @@ class ModelRunner:
                                                     self.dtype, self.device, workers.graphs if workers else {},
                                                     self.lora and self.lora.context)
                 self.graph_runner.capture()
+                if chain_steps:
+                    self.graph_runner.capture_chains(chain_steps, lambda ids, meta, tokens: greedy_chain(
+                        self.model, ids, meta, self.block_size, tokens))
 
     def _build_model(self, draft_head: bool):
         cls, tp = model_class(self.hf_config, draft_head), TensorParallel(self.rank, self.world_size, self.tp_group,
@@ -206,6 +223,30 @@ class ModelRunner:
         logprobs, prompt_lp = (x.to("cpu", non_blocking=True) if x is not None else None for x in (logprobs, prompt_lp))
         event.record(self.stager.stream)
         return LaunchedStep(seqs, host, event, logprobs, prompt_lp and (prompt_spans, prompt_lp), runs)
+
+    @torch.inference_mode()
+    def run_chain(self, scheduled: list[tuple[Sequence, int]], steps: int) -> list[list[int]]:
+        """A draft model's greedy chain: `steps` decode steps of the scheduled (sequence, 1) pairs
+        (one rank), each step's argmax the next step's input on the device, planned once (the first
+        step's inputs, then AttentionMetadata.advance) and, where captured, one CUDA graph. A
+        sequence's new token may be PLACEHOLDER (the last launched step's sampled token); its
+        blocks must hold its steps - 1 later tokens too. Returns the tokens, [steps][sequences],
+        once they are on the host."""
+        plan, seqs, _, _ = plan_step(scheduled, self.block_size, self._prev_rows, lookahead=steps - 1)
+        tensors = self.stager.upload_plan(plan, {})
+        meta = self.backend.build_metadata(plan, tensors)
+        input_ids, pending = tensors["input_ids"], tensors["pending"] if len(plan.pending) else None
+        graph = self.graph_runner.graph_for(plan) if self.graph_runner else None
+        if graph is not None and self.graph_runner.chain_tokens.size(0) == steps:
+            tokens = self.graph_runner.replay_chain(graph[0], input_ids, pending, self._prev_sampled, meta)
+        else:
+            if pending is not None:
+                index, rows = pending.unbind(1)
+                input_ids[index] = self._prev_sampled[rows]
+            tokens = greedy_chain(self.model, input_ids, meta, self.block_size,
+                                  torch.empty(steps, len(seqs), dtype=torch.int64, device=self.device))
+        self._prev_rows, self._prev_sampled = {}, None
+        return tokens.tolist()
 
     def read_tokens(self, step: LaunchedStep) -> list[int]:
         """Wait for a launched step and return its sampled token ids, in row order (step.seqs')."""

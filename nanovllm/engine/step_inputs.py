@@ -39,7 +39,8 @@ class StepPlan:
 
 def plan_step(scheduled: list[tuple[Sequence, int]], block_size: int, prev_rows: dict[int, int],
               forks: dict[int, list[Sequence]] | None = None, block_copies: list[tuple[int, int]] = (),
-              drafts: dict[int, list[int]] | None = None) -> tuple[StepPlan, list[Sequence], list[tuple], list[tuple]]:
+              drafts: dict[int, list[int]] | None = None, lookahead: int = 0
+              ) -> tuple[StepPlan, list[Sequence], list[tuple], list[tuple]]:
     """Pack the scheduled (sequence, new tokens) pairs into a StepPlan; also returns the sequence of
     each sampled row, in row order. The rule for which rows sample lives here: a sequence samples
     when its new tokens reach its end, and so do the sequences forked from it this step
@@ -50,14 +51,15 @@ def plan_step(scheduled: list[tuple[Sequence, int]], block_size: int, prev_rows:
     step's sampled token of that sequence, at row prev_rows[seq_id] of its sampled tensor. Also
     returns, for prompt_logprobs, (sequence, first position, count) of the plan's prompt_rows, in
     order: row p's logits give the logprob of prompt token p + 1; and the verify runs, (sequence,
-    its first row, its drafts) each. Index math is vectorised."""
+    its first row, its drafts) each. lookahead: block tables wide enough for that many tokens more
+    (a draft model's chain of steps, ModelRunner.run_chain). Index math is vectorised."""
     num_seqs = len(scheduled)
     counts = np.fromiter((n for _, n in scheduled), np.int64, num_seqs)
     context_lens = np.fromiter((seq.num_computed_tokens for seq, _ in scheduled), np.int64, num_seqs)
     starts = context_lens - counts
     cu_q = np.zeros(num_seqs + 1, np.int64)
     np.cumsum(counts, out=cu_q[1:])
-    width = int(-(-context_lens.max() // block_size))
+    width = int(-(-(context_lens.max() + lookahead) // block_size))
     block_tables = np.full((num_seqs, width), -1, np.int64)
     input_ids, pending, samples, sampled, runs = [], [], [], [], []
     prompt_rows, prompt_targets, prompt_spans, num_prompt_logprobs = [], [], [], 0

@@ -70,7 +70,7 @@ class DraftModelProposer(Proposer):
         """draft, draft_head: a subclass's draft configuration and model kind (ModelRunner's)."""
         self.k = config.speculative_config.num_speculative_tokens
         self.config = draft or draft_config(config)
-        self.runner = ModelRunner(self.config, draft_head=draft_head)
+        self.runner = ModelRunner(self.config, draft_head=draft_head, chain_steps=self.k - 1)
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.kvcache_block_size, False)
         self.shadows: dict[int, Sequence] = {}  # seq_id -> its shadow
 
@@ -97,7 +97,17 @@ class DraftModelProposer(Proposer):
             return [[] for _ in seqs]
         launched = [self._catch_up(scheduled, owners, sampling)]
         tokens = []  # per draft step, each sampling shadow's token
-        for _ in range(self.k - 1 if sampling else 0):  # each next draft from the last, on the device
+        if sampling and self.k > 1 and all(shadow.sampling_params.temperature == 0 for _, shadow in sampling):
+            # greedy: the k - 1 steps in one launch (a CUDA graph of the chain), planned once
+            for _, shadow in sampling:
+                shadow.token_ids.append(PLACEHOLDER)
+                shadow.num_computed_tokens += 1
+            chain = self.runner.run_chain([(shadow, 1) for _, shadow in sampling], self.k - 1)
+            tokens = [self.runner.read_tokens(launched[0])] + chain
+            for _, shadow in sampling:
+                shadow.token_ids += [PLACEHOLDER] * (self.k - 2)
+                shadow.num_computed_tokens += self.k - 2
+        for _ in range(self.k - 1 if sampling and not tokens else 0):  # sampled: each next draft from the last
             if len(launched) > 1:  # the runner keeps two steps' tokens unread at most: read the older first
                 tokens.append(self.runner.read_tokens(launched[-2]))
             for _, shadow in sampling:

@@ -49,6 +49,16 @@ class AttentionMetadata:
         """One new token per sequence: the decode kernels' step."""
         return self.uniform_q_len == 1
 
+    def advance(self, valid: torch.Tensor, block_size: int) -> None:
+        """Make a decode step's metadata the next decode step's, in place (a CUDA graph captures
+        it): each sequence of valid [B] (bool; False: padding, left as it is) one position on, its
+        slot looked up in its block-table row, which must name the block."""
+        step = valid.to(self.positions.dtype)
+        self.positions.add_(step)
+        self.context_lens.add_(step.to(self.context_lens.dtype))
+        blocks = self.block_tables.gather(1, (self.positions // block_size).unsqueeze(1)).squeeze(1)
+        self.slot_mapping.copy_(torch.where(valid, blocks * block_size + self.positions % block_size, -1))
+
 
 class AttentionBackend:
     """Paged attention over the KV cache [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
