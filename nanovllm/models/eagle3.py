@@ -75,10 +75,10 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3LlamaForCausalLM(nn.Module):
     """An EAGLE-3 head as the draft model runner's model (one rank). forward(input_ids [T], meta)
-    reads each token's hidden state from hidden_input(T) (allocate()), which the proposer fills before a step
-    (fc of the target's, combine()), and leaves each token's prenorm there for the next step; it
-    returns norm(prenorm) [T, hidden_size], which lm_head turns into logits over the target's
-    vocabulary."""
+    reads each token's hidden state from hidden_input(T) (a static buffer: allocate()), which the
+    proposer fills before a step (fc of the target's, combine()), and leaves each token's prenorm
+    there for the next step; it returns norm(prenorm) [T, hidden_size], which lm_head turns into
+    logits over the target's vocabulary."""
     packed_modules_mapping = DecoderForCausalLM.packed_modules_mapping
     checkpoint_renames = {"layers.0.": "midlayer."}  # the speculators format's name
     tie_word_embeddings = False
@@ -99,7 +99,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
         else:
             self.d2t = nn.Parameter(torch.zeros(draft_vocab, dtype=torch.int64), requires_grad=False)
             self.lm_head = DraftVocabHead(draft_vocab, config.vocab_size, hidden, tp, self.d2t)
-        # the target's embedding (the proposer copies it in: bind_embedding); a buffer, as no checkpoint fills it
+        # the target's embedding (Eagle3Proposer.bind copies it in); a buffer, as no checkpoint fills it
         self.register_buffer("embed_weight", torch.zeros(config.vocab_size, hidden), persistent=False)
         self.hidden_in: torch.Tensor | None = None
 
