@@ -25,8 +25,10 @@ HEAD = dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden
             tie_word_embeddings=False, eagle_aux_hidden_state_layer_ids=AUX_IDS)
 
 
-def write_head(path, **overrides) -> dict[str, torch.Tensor]:
-    """A random EAGLE-3 head for tiny_qwen3 saved at path (config.json, model.safetensors); its tensors."""
+def write_head(path, speculators: bool = False, **overrides) -> dict[str, torch.Tensor]:
+    """A random EAGLE-3 head for tiny_qwen3 saved at path (config.json, model.safetensors); its
+    tensors. speculators: in the speculators format (Eagle3Speculator: the layer's config nested,
+    norm_before_residual by default, the layer's tensors named layers.0, an embedding copy)."""
     config = HEAD | overrides
     h, inter, kv = config["hidden_size"], config["intermediate_size"], config["num_key_value_heads"] * config["head_dim"]
     g = torch.Generator().manual_seed(7)
@@ -42,22 +44,32 @@ def write_head(path, **overrides) -> dict[str, torch.Tensor]:
     for norm in ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm"):
         w[f"{norm}.weight"] = 1 + rand(h)
     path.mkdir(parents=True, exist_ok=True)
+    if speculators:
+        layer = {k: v for k, v in config.items() if k not in ("architectures", "draft_vocab_size",
+                                                             "eagle_aux_hidden_state_layer_ids")}
+        config = dict(architectures=["Eagle3Speculator"], speculators_model_type="eagle3", transformer_layer_config=layer,
+                      draft_vocab_size=DRAFT_VOCAB, eagle_aux_hidden_state_layer_ids=AUX_IDS,
+                      speculators_config={"algorithm": "eagle3", "proposal_methods": [{"speculative_tokens": 3}]})
+        saved = {k.replace("midlayer.", "layers.0."): v for k, v in w.items()} | {"embed_tokens.weight": rand(VOCAB, h)}
     (path / "config.json").write_text(json.dumps(config))
-    save_file(w, str(path / "model.safetensors"))
+    save_file(saved if speculators else w, str(path / "model.safetensors"))
     return w
 
 
-@pytest.fixture(scope="module")
-def head(tmp_path_factory):
-    path = tmp_path_factory.mktemp("eagle3")
-    return str(path), write_head(path)
+@pytest.fixture(scope="module", params=["eagle3", "speculators"])
+def head(request, tmp_path_factory):
+    """(directory, tensors, norm_before_residual) of a head in the published format, or in the
+    speculators format (whose default norm_before_residual the reference then follows)."""
+    path = tmp_path_factory.mktemp(request.param)
+    return str(path), write_head(path, speculators=request.param == "speculators"), request.param == "speculators"
 
 
 def rms(x, weight, eps=1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
-def reference_gaps(target, w, tokens: list[int], drafts: list[int]) -> list[tuple[float, float]]:
+def reference_gaps(target, w, tokens: list[int], drafts: list[int],
+                   norm_before_residual: bool = False) -> list[tuple[float, float]]:
     """For each of the head's drafts after `tokens` (the last one just sampled), (the reference's best
     logit less the draft's, the logits' norm): 0 where the draft is the reference's argmax. The
     reference recomputes every step from scratch, fed the head's own drafts: target hidden states
@@ -72,15 +84,15 @@ def reference_gaps(target, w, tokens: list[int], drafts: list[int]) -> list[tupl
         rotary = LlamaRotaryEmbedding(config)
         for draft in drafts:
             n = len(inputs)
-            x = torch.cat([rms(embed[inputs], w["midlayer.input_layernorm.weight"]),
-                           rms(hidden, w["midlayer.hidden_norm.weight"])], -1)
+            normed = rms(hidden, w["midlayer.hidden_norm.weight"])
+            x = torch.cat([rms(embed[inputs], w["midlayer.input_layernorm.weight"]), normed], -1)
             q, kk, v = (F.linear(x, w[f"midlayer.self_attn.{p}_proj.weight"]).view(n, -1, 16).transpose(0, 1)
                         for p in "qkv")
             cos, sin = rotary(x, torch.arange(n)[None])
             q, kk = apply_rotary_pos_emb(q[None], kk[None], cos, sin)
             kk, v = kk[0].repeat_interleave(2, 0), v.repeat_interleave(2, 0)
             a = F.scaled_dot_product_attention(q[0], kk, v, is_causal=True).transpose(0, 1).reshape(n, -1)
-            r = F.linear(a, w["midlayer.self_attn.o_proj.weight"]) + hidden
+            r = F.linear(a, w["midlayer.self_attn.o_proj.weight"]) + (normed if norm_before_residual else hidden)
             m = rms(r, w["midlayer.post_attention_layernorm.weight"])
             pre = F.linear(F.silu(F.linear(m, w["midlayer.mlp.gate_proj.weight"])) * F.linear(m, w["midlayer.mlp.up_proj.weight"]),
                            w["midlayer.mlp.down_proj.weight"]) + r
@@ -116,7 +128,7 @@ def test_every_proposal_is_the_reference_heads_argmax(tiny_qwen3, head):
     accepted by force) are the reference's argmax at every draft, and every draft is a token the
     head's vocabulary has."""
     path, target = tiny_qwen3
-    head_path, w = head
+    head_path, w, norm_before_residual = head
     k = 3
     llm = LLM(path, **ARGS, max_num_batched_tokens=40,
               speculative_config={"method": "eagle3", "model": head_path, "num_speculative_tokens": k})
@@ -127,7 +139,7 @@ def test_every_proposal_is_the_reference_heads_argmax(tiny_qwen3, head):
     assert len(proposed) > 20 and len(proposed) < len(seen) and all(len(d) == k for _, d in proposed)
     allowed = set(w["t2d"].nonzero().flatten().tolist())
     for tokens, drafts in proposed:
-        assert [gap for gap, _ in reference_gaps(target, w, tokens, drafts)] == [0] * k
+        assert [gap for gap, _ in reference_gaps(target, w, tokens, drafts, norm_before_residual)] == [0] * k
         assert set(drafts) <= allowed
 
 
@@ -179,7 +191,7 @@ def test_gpu_eagle3_head_under_cuda_graphs(tiny_qwen3, head):
     the TF32 error of test_spec_decode.tf32_greedy, until the first draft that is not (its later
     drafts follow it); greedy outputs are transformers' up to TF32 near-ties."""
     path, target = tiny_qwen3
-    head_path, w = head
+    head_path, w, norm_before_residual = head
     k = 3
     args = dict(device="cuda", dtype="float32", max_model_len=256, gpu_memory_utilization=0.3, kvcache_block_size=16)
     spec = LLM(path, **args, speculative_config={"method": "eagle3", "model": head_path, "num_speculative_tokens": k})
@@ -191,7 +203,7 @@ def test_gpu_eagle3_head_under_cuda_graphs(tiny_qwen3, head):
     assert len(seen) > 20
     near_ties = 0
     for tokens, drafts in seen:
-        for gap, norm in reference_gaps(target, w, tokens, drafts):
+        for gap, norm in reference_gaps(target, w, tokens, drafts, norm_before_residual):
             assert gap <= 2 * 3e-3 * norm
             if gap > 0:
                 near_ties += 1

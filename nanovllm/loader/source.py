@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, LlamaConfig, PretrainedConfig
 
 from nanovllm.kernels.fp8 import dequantize_blocks
 
@@ -48,15 +48,38 @@ def resolve_path(model: str, load_format: str) -> tuple[str, str]:
 
 def read_hf_config(path: str, load_format: str, trust_remote_code: bool = False) -> PretrainedConfig:
     """The model's config; ValueError when it cannot be read. trust_remote_code: transformers may run
-    the model folder's own Python code for it."""
+    the model folder's own Python code for it. A speculators-format EAGLE-3 head's config
+    (speculators_eagle3_config) becomes the LlamaForCausalLMEagle3 config it describes."""
     try:
         if load_format == "gguf":
             folder, name = os.path.split(path)
             return AutoConfig.from_pretrained(folder, gguf_file=name)
+        with open(path if os.path.isfile(path) else os.path.join(path, "config.json")) as f:  # a file: a builtin
+            raw = json.load(f)
+        if "speculators_model_type" in raw:
+            return speculators_eagle3_config(raw)
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:
         what = "GGUF file" if load_format == "gguf" else "config of"
         raise ValueError(f"cannot read {what} {path}: {e}") from None
+
+
+def speculators_eagle3_config(raw: dict) -> PretrainedConfig:
+    """The head's config from a speculators-format config.json (vLLM's reading of it): the layer's
+    transformer_layer_config with the format's draft_vocab_size, target_hidden_size,
+    eagle_aux_hidden_state_layer_ids and norm_before_residual (default True), as
+    LlamaForCausalLMEagle3. ValueError for another speculators_model_type."""
+    kind = raw.get("speculators_model_type")
+    if kind != "eagle3" or not isinstance(raw.get("transformer_layer_config"), dict):
+        raise ValueError(f"speculators_model_type {kind!r} with a transformer_layer_config dict is what this "
+                         f"speculators config needs; only \"eagle3\" heads are supported")
+    config = dict(raw["transformer_layer_config"], architectures=["LlamaForCausalLMEagle3"],
+                  norm_before_residual=raw.get("norm_before_residual", True))
+    config.pop("model_type", None)
+    for key in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
+        if raw.get(key) is not None:
+            config[key] = raw[key]
+    return LlamaConfig(**config)
 
 
 def load_tokenizer(path: str, load_format: str, hf_config: PretrainedConfig | None = None,

@@ -1,13 +1,14 @@
 """EAGLE-3 draft heads (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large
 Language Models via Training-Time Test"), in the published checkpoint format that vLLM and SGLang
-load (architectures LlamaForCausalLMEagle3, e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): fc, one
-decoder layer `midlayer` (`layers.0` in the speculators format), norm, lm_head over the draft's own
-vocabulary and d2t, the target id of each draft id less that id.
+load (architectures LlamaForCausalLMEagle3, e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, or the
+speculators format's Eagle3Speculator, loader/source.py): fc, one decoder layer `midlayer`
+(`layers.0` in the speculators format), norm, lm_head over the draft's own vocabulary and d2t,
+the target id of each draft id less that id.
 
 A step of the head takes, per token, the token embedding and a hidden state, both [T, hidden_size]:
     e = input_layernorm(embed(x)); h' = hidden_norm(h)
     a = o_proj(attention(qkv_proj([e | h'])))          (qkv_proj reads 2 x hidden_size)
-    out, residual = mlp(post_attention_layernorm(a + h)), a + h
+    out, residual = mlp(post_attention_layernorm(a + h)), a + h   (h' for h: norm_before_residual)
     prenorm = out + residual; logits = lm_head(norm(prenorm))
 The hidden state h of a token the target computed is fc of the target's hidden states at three
 layers' inputs, concatenated ([T, 3 x target hidden_size]); of a token the head drafted, the
@@ -52,7 +53,8 @@ class DraftVocabHead(ParallelLMHead):
 
 class Eagle3Layer(nn.Module):
     """The head's decoder layer: Llama attention over [input_layernorm(embeds) | hidden_norm(hidden)]
-    (no q/k norm), then the SwiGLU MLP, with `hidden` as the residual."""
+    (no q/k norm), then the SwiGLU MLP, with `hidden` as the residual, or hidden_norm(hidden) where
+    the config says norm_before_residual (as vLLM reads it; the speculators format's default)."""
 
     def __init__(self, config, tp: TensorParallel, backend: AttentionBackend | None, quant_method: LinearMethod | None):
         super().__init__()
@@ -64,13 +66,15 @@ class Eagle3Layer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata):
-        """(mlp output, its residual: attention output + hidden), each [T, hidden_size]."""
-        attn = self.self_attn
-        qkv = attn.qkv_proj(torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1))
+        """(mlp output, its residual: attention output + the residual above), each [T, hidden_size]."""
+        attn, normed = self.self_attn, self.hidden_norm(hidden)
+        qkv = attn.qkv_proj(torch.cat([self.input_layernorm(embeds), normed], -1))
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], -1)
-        return self.mlp(attn.o_proj(attn.attn(q, k, v, meta)), hidden, self.post_attention_layernorm)
+        residual = normed if self.norm_before_residual else hidden
+        return self.mlp(attn.o_proj(attn.attn(q, k, v, meta)), residual, self.post_attention_layernorm)
 
 
 class Eagle3LlamaForCausalLM(nn.Module):
