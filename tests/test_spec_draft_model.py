@@ -10,7 +10,7 @@ import torch
 from scipy.stats import chi2
 
 from nanovllm import LLM, SamplingParams
-from tests.conftest import make_tiny_model, random_prompts
+from tests.conftest import COMMON, make_tiny_model, random_prompts
 from tests.test_spec_decode import (ARGS, exact_joint, num_accepted, outputs, repetitive_prompts, tf32_greedy,
                                     tiny_vocab_model)
 
@@ -102,6 +102,15 @@ def test_a_draft_model_of_another_vocabulary_fails_up_front(tiny_qwen3, tmp_path
     draft, _ = tiny_vocab_model(tmp_path, 4)
     with pytest.raises(ValueError, match="a draft model must share the target's"):
         LLM(path, **ARGS, speculative_config={"model": draft, "num_speculative_tokens": 2})
+
+
+def test_a_draft_model_of_fewer_positions_than_max_model_len_fails_up_front(tiny_qwen3, tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    path, _ = tiny_qwen3
+    short = {**COMMON, "head_dim": 16, "max_position_embeddings": 64}
+    Qwen3ForCausalLM(Qwen3Config(**short)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="max_model_len=128 exceeds the draft model's max_position_embeddings=64"):
+        LLM(path, **ARGS, max_model_len=128, speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2})
 
 
 def test_a_draft_model_beside_a_tensor_parallel_target(tiny_qwen3):

@@ -170,6 +170,8 @@ def test_what_an_eagle3_head_cannot_do_fails_up_front(tiny_qwen3, head, tmp_path
     spec = {"method": "eagle3", "model": head[0], "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="is an EAGLE-3 draft head, not a model to serve"):
         LLM(head[0], **ARGS)
+    with pytest.raises(ValueError, match='is an EAGLE-3 draft head.*"method": "eagle3"'):  # as a draft model
+        LLM(path, **ARGS, speculative_config={"model": head[0], "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="runs with tensor_parallel_size=1"):
         LLM(path, **ARGS, tensor_parallel_size=2, speculative_config=spec)
     with pytest.raises(ValueError, match='goes with methods draft_model and eagle3'):

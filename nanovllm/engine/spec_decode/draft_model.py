@@ -6,6 +6,7 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.spec_decode.proposer import Proposer
 from nanovllm.engine_args import DTYPES, EngineArgs
+from nanovllm.models.registry import model_class
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.sequence import PLACEHOLDER, Sequence
 
@@ -13,30 +14,34 @@ GREEDY = SamplingParams(temperature=0.0)
 DRAFT_POOL_TOKENS = 32768  # the most tokens of the draft's KV pool (3.8 GB for Qwen3-0.6B in bf16)
 
 
-def draft_config(config: Config, any_positions: bool = False) -> Config:
+def draft_config(config: Config, head: bool = False) -> Config:
     """The draft model's engine configuration: the target's dtype, device, attention backend, block
     size and step budget, one rank, and a KV pool of its own for the sequences that speculate:
     min(max_num_seqs, disable_by_batch_size) of max_model_len, DRAFT_POOL_TOKENS at most (and one
-    max_model_len sequence at least). ValueError when its vocabulary is not the target's.
-    any_positions: the draft takes the target's max_model_len whatever its config's
-    max_position_embeddings (an EAGLE-3 head's rotary table is then made that long, as vLLM does)."""
+    max_model_len sequence at least). head: an EAGLE-3 head, which takes the target's max_model_len
+    whatever its config's max_position_embeddings (its rotary table is then made that long, as
+    vLLM does). ValueError when the model is not of the kind asked for (a model, or a head), its
+    vocabulary is not the target's, or a draft model has fewer positions than max_model_len."""
     spec, block_size = config.speculative_config, config.kvcache_block_size
     most = min(config.max_num_seqs, spec.disable_by_batch_size or config.max_num_seqs)
     tokens = max(min(most * config.max_model_len, DRAFT_POOL_TOKENS), config.max_model_len)
     dtype = next(name for name, d in DTYPES.items() if d == config.dtype)
     draft = Config.create(EngineArgs(
         spec.model, max_num_seqs=most, max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=None if any_positions else config.max_model_len, kvcache_block_size=block_size,
-        num_kvcache_blocks=-(-tokens // block_size), enable_prefix_caching=False,
+        kvcache_block_size=block_size, num_kvcache_blocks=-(-tokens // block_size), enable_prefix_caching=False,
         enforce_eager=config.enforce_eager, dtype=dtype, device=config.device.type,
         load_format="dummy" if config.load_format == "dummy" else "auto", attention_backend=config.attention_backend,
         seed=config.seed, trust_remote_code=config.trust_remote_code), with_tokenizer=False)
-    if draft.hf_config.vocab_size != config.hf_config.vocab_size:
-        raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of {draft.hf_config.vocab_size} "
+    hf = draft.hf_config
+    model_class(hf, draft_head=head)
+    if hf.vocab_size != config.hf_config.vocab_size:
+        raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of {hf.vocab_size} "
                          f"tokens, the target {config.hf_config.vocab_size}: a draft model must share the target's")
-    if any_positions:
-        hf = draft.hf_config
+    if head:
         hf.max_position_embeddings = max(hf.max_position_embeddings, config.max_model_len)
+    elif config.max_model_len > hf.max_position_embeddings:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the draft model's max_position_embeddings="
+                         f"{hf.max_position_embeddings} (speculative_config model {spec.model!r}); lower max_model_len")
     return replace(draft, eos_token_ids=config.eos_token_ids, max_model_len=config.max_model_len)
 
 

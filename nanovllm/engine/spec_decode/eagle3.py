@@ -3,7 +3,6 @@ import numpy as np
 import torch
 
 from nanovllm.config import Config
-from nanovllm.models.registry import model_class
 from nanovllm.engine.spec_decode.draft_model import DraftModelProposer, draft_config, draft_params
 from nanovllm.sequence import Sequence
 
@@ -42,8 +41,7 @@ class Eagle3Proposer(DraftModelProposer):
     completions draw drafts with the target's noise, as DraftModelProposer says."""
 
     def __init__(self, config: Config):
-        draft = draft_config(config, any_positions=True)
-        model_class(draft.hf_config, draft_head=True)  # ValueError unless it is an EAGLE-3 head
+        draft = draft_config(config, head=True)
         target_hidden = getattr(draft.hf_config, "target_hidden_size", None) or draft.hf_config.hidden_size
         if target_hidden != config.hf_config.hidden_size:
             raise ValueError(f"speculative_config model {config.speculative_config.model!r} is an EAGLE-3 head for a "
