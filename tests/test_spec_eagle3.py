@@ -178,6 +178,10 @@ def test_what_an_eagle3_head_cannot_do_fails_up_front(tiny_qwen3, head, tmp_path
         LLM(path, **ARGS, speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match=r"needs an EAGLE-3 head"):
         LLM(path, **ARGS, speculative_config=spec | {"model": path})
+    (tmp_path / "medusa").mkdir()
+    (tmp_path / "medusa" / "config.json").write_text(json.dumps({"speculators_model_type": "medusa"}))
+    with pytest.raises(ValueError, match="needs speculators_model_type \"eagle3\".*got speculators_model_type 'medusa'"):
+        LLM(path, **ARGS, speculative_config=spec | {"model": str(tmp_path / "medusa")})
     write_head(tmp_path / "wide", hidden_size=128, target_hidden_size=128)
     with pytest.raises(ValueError, match="for a target of hidden_size 128; this target's is 64"):
         LLM(path, **ARGS, speculative_config=spec | {"model": str(tmp_path / "wide")})

@@ -71,8 +71,8 @@ def speculators_eagle3_config(raw: dict) -> PretrainedConfig:
     LlamaForCausalLMEagle3. ValueError for another speculators_model_type."""
     kind = raw.get("speculators_model_type")
     if kind != "eagle3" or not isinstance(raw.get("transformer_layer_config"), dict):
-        raise ValueError(f"speculators_model_type {kind!r} with a transformer_layer_config dict is what this "
-                         f"speculators config needs; only \"eagle3\" heads are supported")
+        raise ValueError(f"a speculators config needs speculators_model_type \"eagle3\" (the only kind supported) "
+                         f"and a transformer_layer_config dict; got speculators_model_type {kind!r}")
     config = dict(raw["transformer_layer_config"], architectures=["LlamaForCausalLMEagle3"],
                   norm_before_residual=raw.get("norm_before_residual", True))
     config.pop("model_type", None)
