@@ -49,7 +49,7 @@ class Eagle3Proposer(DraftModelProposer):
         self.aux_layers = aux_layers(draft.hf_config, config.hf_config)
         super().__init__(config, draft, draft_head=True)
         self.target_hidden: torch.Tensor | None = None  # the target's kv_cache.hidden (bind)
-        self.verified: dict[int, int] = {}  # seq_id -> its shadow's positions computed from the target's states
+        self.verified: dict[int, int] = {}  # seq_id -> its shadow's positions from the target's states (the last catch-up's)
 
     def bind(self, runner) -> None:
         model = self.runner.model
@@ -82,7 +82,3 @@ class Eagle3Proposer(DraftModelProposer):
             rows = [end for end, (shadow, _) in zip(ends.tolist(), scheduled) if id(shadow) in whole]
             model.hidden_input(len(rows)).copy_(model.hidden_in[torch.tensor(rows, device=index.device)])
         return launched
-
-    def finished(self, seq: Sequence) -> None:
-        self.verified.pop(seq.seq_id, None)
-        super().finished(seq)
