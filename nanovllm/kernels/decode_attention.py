@@ -102,20 +102,24 @@ def reduce_splits_kernel(o_ptr, acc_ptr, ml_ptr, context_lens_ptr, stride_ot, st
              mask=head_mask[:, None])
 
 
-def decode_num_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+def decode_num_splits(num_seqs: int, num_kv_heads: int, group: int, device: torch.device) -> int:
     """Splits of each context so that at least 8 programs per SM run at any batch size (flash-decoding),
-    but none (and no reduce kernel) where the grid already has 4 programs per SM. On an H200 with
-    lengths of 100..2000 tokens: batch 64 reads K/V at 0.63 of the copy bandwidth with 1 split, 0.67
-    with 2, 0.70 with 4, 0.71 with 8; batch 256 at 0.88 with 1 or 2 splits, 0.83 with 4
-    (benchmarks/decode_attention.py --varied). A sweep of splits, BLOCK_N and stages (--sweep) found
-    faster choices for batches of 32-128 alone (e.g. batch 32: 0.64 with 2 splits, BLOCK_N 128, 3-4
-    stages, against 0.38), but bench.py did not move with them. Unsplit from 4 programs per SM: H100
-    default bench.py 6.415 against 6.437 s (4 runs each), `--num-seqs 64` unchanged
-    (docs/perf-log.md, 2026-11-26)."""
+    but none (and no reduce kernel) where the grid already has 4 programs per SM, or 3 with 8 or
+    more query heads per KV head (group). On an H200 with lengths of 100..2000 tokens:
+    - 2 query heads per KV head (Qwen3-0.6B): batch 64 reads K/V at 0.63 of the copy bandwidth
+      with 1 split, 0.67 with 2, 0.70 with 4, 0.71 with 8; batch 256 at 0.88 with 1 or 2 splits,
+      0.83 with 4 (benchmarks/decode_attention.py --varied). A sweep of splits, BLOCK_N and stages
+      (--sweep) found faster choices for batches of 32-128 alone (e.g. batch 32: 0.64 with 2
+      splits, BLOCK_N 128, 3-4 stages, against 0.38), but bench.py did not move with them.
+      Unsplit from 4 programs per SM: H100 default bench.py 6.415 against 6.437 s (4 runs each),
+      `--num-seqs 64` unchanged (docs/perf-log.md, 2026-11-26).
+    - 8 (Qwen3-30B-A3B at tensor parallelism 2: 16 heads, 2 KV heads): batch 256, 512 programs
+      on 132 SMs, 93.1 us with 1 split against 120.1 with 2 and 133.2 with 4, where Qwen3-0.6B's
+      batch 64, also 512 programs, takes 88.8, 83.8 and 84.6 (2026-11-28)."""
     if device.type != "cuda":
         return 1
     programs = num_seqs * num_kv_heads
-    if programs >= 4 * num_sms(device.index or 0):
+    if programs >= (3 if group >= 8 else 4) * num_sms(device.index or 0):
         return 1
     return min(64, triton.next_power_of_2(max(1, -(-8 * num_sms(device.index or 0) // programs))))
 
@@ -135,7 +139,7 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.size(2)
     group = num_heads // num_kv_heads
-    splits = num_splits or decode_num_splits(num_seqs, num_kv_heads, q.device)
+    splits = num_splits or decode_num_splits(num_seqs, num_kv_heads, group, q.device)
     acc = ml = out  # unused when splits == 1
     if splits > 1:
         acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
