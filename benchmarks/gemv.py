@@ -7,7 +7,7 @@ before them likewise. Each timing is a CUDA graph of 28 products with 28 differe
 against a float32 product. --sweep times every tiling of a grid instead and prints the fastest per
 model and dtype.
 
-    python benchmarks/gemv.py [--sweep]
+    python benchmarks/gemv.py [--sweep [--model qwen3-30b-a3b ...]]
 """
 import argparse
 import itertools
@@ -69,8 +69,8 @@ def compare():
               f"{layer['baseline']:.1f} -> {layer['gemv']:.1f} us", flush=True)
 
 
-def sweep():
-    for model, fp8 in itertools.product(SHAPES, (False, True)):
+def sweep(models):
+    for model, fp8 in itertools.product(models, (False, True)):
         per = {}
         for name, (n, k) in SHAPES[model].items():
             ws, w0 = operands(n, k, fp8)
@@ -89,5 +89,7 @@ def sweep():
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--model", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="the sweep's models")
+    args = p.parse_args()
     torch.manual_seed(0)
-    sweep() if p.parse_args().sweep else compare()
+    sweep(args.model) if args.sweep else compare()
