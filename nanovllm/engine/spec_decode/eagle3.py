@@ -73,12 +73,15 @@ class Eagle3Proposer(DraftModelProposer):
             positions = np.arange(shadow.num_computed_tokens - n, shadow.num_computed_tokens)
             slots.append(np.asarray(seq.block_table)[positions // bs] * bs + positions % bs)
             self.verified[seq.seq_id] = shadow.num_computed_tokens
-        index = torch.from_numpy(np.concatenate(slots)).to(self.target_hidden.device)
+        # each drafting shadow's last row, whose prenorm feeds its next step (drafting order): sent
+        # with the slots, before the launch, since a copy after it would wait for the whole step
+        drafting = {id(shadow) for _, shadow in sampling}
+        ends = np.cumsum([n for _, n in scheduled]) - 1
+        rows = ends[[id(shadow) in drafting for shadow, _ in scheduled]]
+        index = torch.from_numpy(np.concatenate([*slots, rows])).to(self.target_hidden.device)
+        index, rows = index.split([index.numel() - len(rows), len(rows)])
         model.hidden_input(len(index)).copy_(model.combine(self.target_hidden[index]))
         launched = self.runner.run(scheduled)
-        if sampling:  # each drafting shadow's last prenorm, in drafting order, feeds its next step
-            whole = {id(shadow) for _, shadow in sampling}
-            ends = np.cumsum([n for _, n in scheduled]) - 1
-            rows = [end for end, (shadow, _) in zip(ends.tolist(), scheduled) if id(shadow) in whole]
-            model.hidden_input(len(rows)).copy_(model.hidden_in[torch.tensor(rows, device=index.device)])
+        if len(rows):
+            model.hidden_input(len(rows)).copy_(model.hidden_in[rows])
         return launched
