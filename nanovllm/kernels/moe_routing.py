@@ -149,7 +149,11 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
         moe_count_sort_kernel[(1,)](flat, sorted_ids, expert_ids, num_padded, num_pairs, num_experts,
                                     BLOCK_E=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, CHUNK=64)
         return sorted_ids, expert_ids, num_padded
-    experts, order = torch.sort(flat, stable=True)
+    # sorted as bytes where the ids fit (a pair left out, -1, becomes 255 and sorts after every
+    # expert): 2 radix passes, not 8. 256 tokens of top 8 on an H200, a CUDA graph of 48: the sort
+    # 20.9 us as int32, 14.4 as bytes with the conversion; the same order
+    keys = flat.to(torch.uint8) if num_experts < 255 else flat
+    experts, order = torch.sort(keys, stable=True)
     bounds = torch.searchsorted(experts, torch.arange(num_experts + 1, device=flat.device, dtype=experts.dtype))
     moe_align_kernel[(num_experts,)](order, bounds, sorted_ids, expert_ids, num_padded, num_pairs, num_experts,
                                      BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_M=block_m, num_warps=1)
