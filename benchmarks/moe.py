@@ -6,8 +6,8 @@ layer's roofline (bytes at the measured bandwidth or FLOPs at the measured bf16 
 whichever is longer) and the fraction of it reached; for the default config, the other path, the
 sweep's tilings (--sweep) and a per-expert loop of torch matmuls (moe_method.torch_experts, eager:
 it reads the routing on the host). Each config is first checked against a float32 product. Where the
-default is the sorted path, its layout (moe_align_block_size) is timed both ways: counted in one
-program and sorted (moe_routing.COUNT_SORT_PAIRS chooses between them).
+default is the sorted path, its layout (moe_align_block_size: the sort and one kernel) is timed
+alone too.
 
 Timings: a CUDA graph of --layers layers with their own weights (4 x 1.2 GB: weights from HBM,
 not L2), us per layer; the torch loop eagerly over the same layers. The best config per size is
@@ -20,9 +20,9 @@ import argparse
 import torch
 
 from bench import measure_bandwidth, measure_matmul_flops
-from nanovllm.kernels import moe_routing
 from nanovllm.kernels.fp8 import quantize_fp8
 from nanovllm.kernels.fused_moe import MoEConfig, default_config, fused_experts
+from nanovllm.kernels.moe_routing import moe_align_block_size
 from nanovllm.layers.moe_method import torch_experts
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
@@ -129,14 +129,8 @@ def main():
         if args.sweep:
             configs += [c for c in (PAIR_SWEEP if tokens <= 64 else []) + SORTED_SWEEP if c not in configs]
         if not default.pairs:
-            count_sort_pairs, us = moe_routing.COUNT_SORT_PAIRS, {}
-            for way, limit in (("counted", topk_ids.numel()), ("sorted", 0)):
-                moe_routing.COUNT_SORT_PAIRS = limit
-                us[way] = time_layers(lambda i: moe_routing.moe_align_block_size(topk_ids, EXPERTS, default.block_m),
-                                      args.layers)
-            moe_routing.COUNT_SORT_PAIRS = count_sort_pairs
-            print(f"{tokens:>6} layout of {topk_ids.numel()} pairs: counted {us['counted']:.1f} us, sorted "
-                  f"{us['sorted']:.1f} us (counted up to {count_sort_pairs} pairs)")
+            us = time_layers(lambda i: moe_align_block_size(topk_ids, EXPERTS, default.block_m), args.layers)
+            print(f"{tokens:>6} {'layout (moe_align_block_size)':<34} {us:9.1f}")
         out = torch.empty_like(x)
         rows = []
         for config in configs:

@@ -11,7 +11,6 @@ pytest.importorskip("triton")
 from nanovllm.kernels.fp8 import quantize_fp8  # noqa: E402
 from nanovllm.kernels.fused_moe import (MoEConfig, down_pairs, down_sorted, fused_experts, gate_up_pairs,  # noqa: E402
                                         gate_up_sorted)
-from nanovllm.kernels import moe_routing  # noqa: E402
 from nanovllm.kernels.moe_routing import moe_align_block_size, moe_topk  # noqa: E402
 from nanovllm.layers.moe_method import torch_experts  # noqa: E402
 
@@ -100,21 +99,20 @@ def test_moe_topk_matches_torch():
             torch.testing.assert_close(weights.double(), ref_w, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("count_sort", [True, False])
+@pytest.mark.parametrize("num_experts", [8, 300])
 @pytest.mark.parametrize("num_tokens,block_m", [(1, 16), (5, 4), (37, 16), (40, 4)])
-def test_moe_align_block_size_groups_pairs_by_expert(num_tokens, block_m, count_sort, monkeypatch):
+def test_moe_align_block_size_groups_pairs_by_expert(num_tokens, block_m, num_experts):
     """Every pair in exactly one slot, in order within its expert, each tile's pairs of its
-    expert, runs padded to whole tiles with the sentinel num_pairs, unused experts (1, 7) given no
-    tile, pairs left out (-1) in none; by the counting kernel and by the sort (count_sort False)."""
-    monkeypatch.setattr(moe_routing, "COUNT_SORT_PAIRS", 512 if count_sort else 0)
+    expert, runs padded to whole tiles with the sentinel num_pairs, unused experts given no tile,
+    pairs left out (-1) in none; ids sorted as bytes (8 experts) and as int32 (300)."""
     _, ids = routing(num_tokens, 8, 3, seed=num_tokens)
     ids[ids == 7] = 6
-    if num_tokens == 40:  # more pairs than one chunk of the counting kernel, some left out
+    if num_tokens == 40:  # some pairs left out (expert parallelism's other ranks' experts)
         ids[::3, 1] = -1
     kept = (ids.reshape(-1) >= 0).nonzero().squeeze(1).cpu()
-    sorted_ids, expert_ids, num_padded = moe_align_block_size(ids, 8, block_m)
+    sorted_ids, expert_ids, num_padded = moe_align_block_size(ids, num_experts, block_m)
     flat, pairs = ids.reshape(-1).cpu(), ids.numel()
-    counts = torch.bincount(flat[kept].long(), minlength=8)
+    counts = torch.bincount(flat[kept].long(), minlength=num_experts)
     assert num_padded.item() == sum(-(-c // block_m) * block_m for c in counts.tolist())
     slots = sorted_ids[:num_padded.item()].cpu().view(-1, block_m)
     assert sorted(slots[slots < pairs].tolist()) == kept.tolist()
@@ -123,7 +121,7 @@ def test_moe_align_block_size_groups_pairs_by_expert(num_tokens, block_m, count_
     tiles = expert_ids[:slots.size(0)].cpu()
     for tile, expert in zip(slots, tiles.tolist()):
         assert (flat[tile[tile < pairs].long()] == expert).all() and (tile < pairs).any()
-    assert set(tiles.tolist()) == {e for e in range(8) if counts[e] > 0}
+    assert set(tiles.tolist()) == {e for e in range(num_experts) if counts[e] > 0}
 
 
 CASES = [  # (num_tokens, num_experts, top_k, hidden, intermediate)

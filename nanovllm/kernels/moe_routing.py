@@ -7,20 +7,13 @@ Pair p = t * top_k + j is token t's j-th choice. moe_align_block_size lays the p
 expert, each expert's run padded up to a whole tile with the sentinel num_pairs, so that every
 tile of BLOCK_M slots holds pairs of one expert: a GEMM program reads that expert's weights once
 for up to BLOCK_M rows. Every size is bounded by the token count alone (at most
-num_pairs + min(num_experts, num_pairs) * (BLOCK_M - 1) slots), so a CUDA graph captures it. Up
-to COUNT_SORT_PAIRS pairs (small decode steps) one program counts them into place, where torch's
-radix sort, a searchsorted and a kernel per expert take ~26 us a layer whatever the count.
+num_pairs + min(num_experts, num_pairs) * (BLOCK_M - 1) slots), so a CUDA graph captures it.
 """
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.pdl import pdl_args, pdl_start
-
-# moe_count_sort_kernel's most pairs: its one program loops over them twice, so its time grows with
-# them where the sort's stays ~26 us: 8.0 against 12.2 us at 16 tokens of top 8, 17.4 against 25.8 at
-# 64, 30.2 against 26.8 at 128 (H200, Qwen3-30B-A3B's routing, a CUDA graph of 48 calls)
-COUNT_SORT_PAIRS = 512
 
 
 @triton.jit
@@ -69,8 +62,8 @@ def moe_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tupl
 def moe_align_kernel(order_ptr, bounds_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_pairs, E,
                      BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
     """Grid (E,): program e writes expert e's run of the layout. order [num_pairs]: the pairs
-    sorted by expert; bounds [E + 1]: where each expert's pairs start in order (bounds[E] =
-    num_pairs). Expert e's run starts after the earlier experts' runs, each padded to a multiple
+    sorted by expert; bounds [E + 1]: where each expert's pairs start in order (bounds[E]: where
+    the last one's end). Expert e's run starts after the earlier experts' runs, each padded to a multiple
     of BLOCK_M; its tiles get e in expert_ids; program 0 writes the total to num_padded."""
     e = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
@@ -89,41 +82,6 @@ def moe_align_kernel(order_ptr, bounds_ptr, sorted_ids_ptr, expert_ids_ptr, num_
         tl.store(num_padded_ptr, tl.sum(padded, 0))
 
 
-@triton.jit
-def moe_count_sort_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_pairs, E,
-                          BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """Grid (1,): moe_align_kernel's layout straight from ids [num_pairs] (each in [0, E), or
-    negative: left out), by counting. BLOCK_E > E: the last bin takes the pairs left out. Pass 1
-    counts each expert's pairs, which gives each run's start; the slots in use are then filled
-    with the sentinel, each tile gets its expert, and pass 2 puts each pair at its run's start
-    plus the pairs of its expert before it (stable, as the sort)."""
-    experts = tl.arange(0, BLOCK_E)
-    rows = tl.arange(0, CHUNK)
-    counts = tl.zeros([BLOCK_E], tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        ids = tl.load(ids_ptr + start + rows, mask=start + rows < num_pairs, other=-1)
-        counts += tl.histogram(tl.where(ids < 0, BLOCK_E - 1, ids), BLOCK_E)
-    padded = tl.where(experts < E, tl.cdiv(counts, BLOCK_M) * BLOCK_M, 0)
-    starts = tl.cumsum(padded, 0) - padded
-    total = tl.sum(padded, 0)
-    tl.store(num_padded_ptr, total)
-    for s in range(0, total, CHUNK):
-        tl.store(sorted_ids_ptr + s + rows, num_pairs, mask=s + rows < total)
-    for t in range(0, total // BLOCK_M, CHUNK):  # a tile's expert: the last whose run starts at or before it
-        first = (t + rows) * BLOCK_M
-        owner = tl.sum((starts[None, :] <= first[:, None]).to(tl.int32), 1) - 1  # experts >= E start at total
-        tl.store(expert_ids_ptr + t + rows, owner, mask=first < total)
-    tl.debug_barrier()  # the sentinels stored before the pairs that overwrite some of them
-    seen = tl.zeros([BLOCK_E], tl.int32)  # each expert's pairs placed by earlier chunks
-    for start in range(0, num_pairs, CHUNK):
-        ids = tl.load(ids_ptr + start + rows, mask=start + rows < num_pairs, other=-1)
-        bins = tl.where(ids < 0, BLOCK_E - 1, ids)
-        earlier = tl.sum(((bins[None, :] == bins[:, None]) & (rows[None, :] < rows[:, None])).to(tl.int32), 1)
-        slot = tl.gather(starts + seen, bins, 0) + earlier
-        tl.store(sorted_ids_ptr + slot, start + rows, mask=ids >= 0)
-        seen += tl.histogram(bins, BLOCK_E)
-
-
 def max_padded_slots(num_pairs: int, num_experts: int, block_m: int) -> int:
     """The most slots moe_align_block_size can fill: each expert that has a pair pads its run by
     at most block_m - 1."""
@@ -137,24 +95,19 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
     [max_padded_slots] int32: the pairs expert by expert, each expert's run padded to a multiple
     of block_m with num_pairs; expert_ids [max_padded_slots / block_m] int32: each tile's expert;
     num_padded [1] int32: the slots in use, a multiple of block_m). Slots and tiles past
-    num_padded hold garbage: the GEMMs stop there. Up to COUNT_SORT_PAIRS pairs one counting
-    kernel, else a stable sort and a kernel per expert; no host sync either way."""
+    num_padded hold garbage: the GEMMs stop there. A stable sort, then one kernel; no host sync."""
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
-    slots = max_padded_slots(num_pairs, num_experts, block_m)
-    sorted_ids = torch.empty(slots, dtype=torch.int32, device=flat.device)
-    expert_ids = torch.empty(triton.cdiv(slots, block_m), dtype=torch.int32, device=flat.device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
-    if num_pairs <= COUNT_SORT_PAIRS:
-        moe_count_sort_kernel[(1,)](flat, sorted_ids, expert_ids, num_padded, num_pairs, num_experts,
-                                    BLOCK_E=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, CHUNK=64)
-        return sorted_ids, expert_ids, num_padded
     # sorted as bytes where the ids fit (a pair left out, -1, becomes 255 and sorts after every
     # expert): 2 radix passes, not 8. 256 tokens of top 8 on an H200, a CUDA graph of 48: the sort
     # 20.9 us as int32, 14.4 as bytes with the conversion; the same order
     keys = flat.to(torch.uint8) if num_experts < 255 else flat
     experts, order = torch.sort(keys, stable=True)
     bounds = torch.searchsorted(experts, torch.arange(num_experts + 1, device=flat.device, dtype=experts.dtype))
+    slots = max_padded_slots(num_pairs, num_experts, block_m)
+    sorted_ids = torch.empty(slots, dtype=torch.int32, device=flat.device)
+    expert_ids = torch.empty(triton.cdiv(slots, block_m), dtype=torch.int32, device=flat.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
     moe_align_kernel[(num_experts,)](order, bounds, sorted_ids, expert_ids, num_padded, num_pairs, num_experts,
                                      BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_M=block_m, num_warps=1)
     return sorted_ids, expert_ids, num_padded
