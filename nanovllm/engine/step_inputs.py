@@ -163,12 +163,13 @@ class Stager:
         return [x if a.ndim == 1 else x.view(a.shape) for x, a in zip(out, arrays)]
 
     def upload_plan(self, plan: StepPlan, extra: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """Every array of the plan on the device, by field name (StepPlan.INT32 as int32, the rest
-        int64; input_ids and pending only when the plan has them), and those of `extra` (the
-        attention backend's, AttentionBackend.host_arrays) as int32, in the same transfer."""
+        """Every non-empty array of the plan on the device, by field name (StepPlan.INT32 as int32,
+        the rest int64; an empty one, such as prompt_rows in most steps, is left out: every use is
+        behind a length check of the plan's), and those of `extra` (the attention backend's,
+        AttentionBackend.host_arrays) as int32, in the same transfer."""
         names = [n for n in ("input_ids", "pending", "positions", "slot_mapping", "sample_rows", "prompt_rows",
                              "prompt_targets", "block_copies", *StepPlan.INT32)
-                 if getattr(plan, n) is not None]
+                 if getattr(plan, n) is not None and getattr(plan, n).size]
         dtypes = [torch.int32 if n in StepPlan.INT32 else torch.int64 for n in names] + [torch.int32] * len(extra)
         arrays = [getattr(plan, n) for n in names] + list(extra.values())
         return dict(zip(names + list(extra), self.upload(arrays, dtypes)))
