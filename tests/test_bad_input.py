@@ -29,7 +29,7 @@ def still_works(llm, hf_model):
     ([[1] * 65], None, "more than max_model_len=64"),
     (["text"], None, "no tokenizer"),
     ([[1], [2]], [SamplingParams()], "got 1 SamplingParams for 2 prompts"),
-    ([1, 2, 3], None, "prompts must be a string, a .*prompt_token_ids.* dict, or a list of"),
+    ([1, 2, 3], None, r"prompts must be a string, a .*prompt_token_ids.* dict, or a list of .*pass \[\[1, 2, 3\]\]"),
     ([[1], 5], None, "request 1: a prompt must be a string or a list of ints"),
     ([[1, True]], None, "prompt token 1 is True, not an integer token id"),
     ([[1, 2.0]], None, "prompt token 1 is 2.0, not an integer token id"),

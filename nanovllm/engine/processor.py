@@ -59,8 +59,11 @@ class Processor:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or (prompts and all(isinstance(p, Integral) for p in prompts)):
+            flat = isinstance(prompts, (list, tuple))  # one prompt's token ids, not wrapped
             raise ValueError("prompts must be a string, a {\"prompt_token_ids\": [...]} dict, or a list of "
-                             "strings, token-id lists or such dicts")
+                             "strings, token-id lists or such dicts" +
+                             (f"; for one prompt of token ids pass [[{', '.join(map(str, prompts[:3]))}"
+                              f"{', ...' if len(prompts) > 3 else ''}]]" if flat else ""))
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
