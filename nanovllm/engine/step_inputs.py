@@ -167,12 +167,12 @@ class Stager:
         the rest int64; an empty one, such as prompt_rows in most steps, is left out: every use is
         behind a length check of the plan's), and those of `extra` (the attention backend's,
         AttentionBackend.host_arrays) as int32, in the same transfer."""
-        names = [n for n in ("input_ids", "pending", "positions", "slot_mapping", "sample_rows", "prompt_rows",
-                             "prompt_targets", "block_copies", *StepPlan.INT32)
-                 if getattr(plan, n) is not None and getattr(plan, n).size]
-        dtypes = [torch.int32 if n in StepPlan.INT32 else torch.int64 for n in names] + [torch.int32] * len(extra)
-        arrays = [getattr(plan, n) for n in names] + list(extra.values())
-        return dict(zip(names + list(extra), self.upload(arrays, dtypes)))
+        arrays = {n: a for n in ("input_ids", "pending", "positions", "slot_mapping", "sample_rows", "prompt_rows",
+                                 "prompt_targets", "block_copies", *StepPlan.INT32)
+                  if (a := getattr(plan, n)) is not None and a.size}
+        dtypes = [torch.int32 if n in StepPlan.INT32 else torch.int64 for n in arrays] + [torch.int32] * len(extra)
+        arrays |= extra
+        return dict(zip(arrays, self.upload(list(arrays.values()), dtypes)))
 
 
 _NUMPY = {torch.int32: np.int32, torch.int64: np.int64}
