@@ -238,25 +238,30 @@ def test_gluon_prefill_kernel(dtype, block_size, group, norm):
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("dtype,block_size,group,head_dim", CASES)
-@pytest.mark.parametrize("num_seqs", [1, 5, 64] if CUDA else [3])
-def test_decode_kernel(dtype, block_size, group, head_dim, num_seqs, fp8, monkeypatch):
+@pytest.mark.parametrize("num_seqs,q_len", [(1, 1), (5, 1), (64, 1), (1, 5), (7, 3)] if CUDA else [(3, 1), (2, 3)])
+def test_decode_kernel(dtype, block_size, group, head_dim, num_seqs, q_len, fp8, monkeypatch):
+    """Each sequence's last q_len tokens (q_len > 1: a verify run's), causally, at several splits
+    and tile widths, into NaN-poisoned outputs."""
     empty = torch.empty  # the split partials start as NaN: splits without keys are never written nor read
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan"))
                         if kw.get("dtype") == torch.float32 else empty(*a, **kw))
-    gen = torch.Generator().manual_seed(num_seqs * 7 + group)
+    gen = torch.Generator().manual_seed(num_seqs * 7 + group + q_len)
     num_kv_heads = 2 if group == 8 else 4
     max_len = 1500 if CUDA else 40
-    context_lens = torch.randint(1, max_len, (num_seqs,), generator=gen).tolist()
+    context_lens = torch.randint(q_len, max_len, (num_seqs,), generator=gen).tolist()
     context_lens[0] = max_len - 1  # a long one, not a multiple of the block size
+    if num_seqs > 1 and q_len > 1:
+        context_lens[1] = q_len  # only its own tokens
     k, v, tables, kv_scales = make_cache(context_lens, block_size, num_kv_heads, head_dim, dtype, gen, fp8)
-    q = torch.randn(num_seqs, num_kv_heads * group, head_dim, generator=gen).to(DEVICE, dtype)
+    q = torch.randn(num_seqs * q_len, num_kv_heads * group, head_dim, generator=gen).to(DEVICE, dtype)
     lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
-    cu_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=DEVICE)
+    cu_q = torch.arange(0, (num_seqs + 1) * q_len, q_len, dtype=torch.int32, device=DEVICE)
     scale = head_dim ** -0.5
     ref = reference(q, k, v, cu_q, lens, tables, scale, kv_scales)
     for splits, block_n in ((None, 64), (1, 64), (4, 128), (16, 64), (2, 128), (1, 16), (4, 16)):  # 16: block-aligned tiles
         out = torch.full_like(q, float("nan"))
-        decode_attention(q, k, v, lens, tables, scale, num_splits=splits, out=out, block_n=block_n, kv_scales=kv_scales)
+        decode_attention(q, k, v, lens, tables, scale, num_splits=splits, out=out, block_n=block_n, kv_scales=kv_scales,
+                         q_len=q_len)
         assert rel_err(out, ref) < TOL[dtype], f"num_splits={splits}, block_n={block_n}"
 
 

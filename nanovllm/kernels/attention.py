@@ -117,23 +117,23 @@ def _cos_sin(cos_sin_ptr, pos, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _decode_q(q_ptr, seq, heads, head_mask, cos, sin, q_weight_ptr, eps, stride_qt, stride_qh,
+def _decode_q(q_ptr, rows, heads, head_mask, cos, sin, q_weight_ptr, eps, stride_qt, stride_qh,
               HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
               SCALED: tl.constexpr):
-    """The query heads `heads` [BLOCK_G] of token row `seq` as [BLOCK_G, HEAD_DIM]: loaded, or with
-    ROPE this step's projection normed (NORM: q_weight) and rotated by cos, sin (_cos_sin;
+    """Query head heads[i] of token row rows[i] (both [BLOCK_G]) as [BLOCK_G, HEAD_DIM]: loaded, or
+    with ROPE this step's projection normed (NORM: q_weight) and rotated by cos, sin (_cos_sin;
     qk_norm_rope's arithmetic, not written back); fp16 for a float8 cache (unless float32)."""
     if ROPE:
         HALF: tl.constexpr = HEAD_DIM // 2
         d = tl.arange(0, HALF)[None, :]
-        q_row = q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d
+        q_row = q_ptr + rows[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d
         q1, q2 = norm_rope(tl.load(q_row, mask=head_mask[:, None], other=0.0),
                            tl.load(q_row + HALF, mask=head_mask[:, None], other=0.0), q_weight_ptr, cos, sin, eps,
                            HALF, NORM)
         q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_G, HEAD_DIM))
     else:
-        q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + tl.arange(0, HEAD_DIM)[None, :],
-                    mask=head_mask[:, None], other=0.0)
+        q = tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+                    + tl.arange(0, HEAD_DIM)[None, :], mask=head_mask[:, None], other=0.0)
     if SCALED and q.dtype != tl.float32:
         q = q.to(tl.float16)
     return q
@@ -164,17 +164,19 @@ def _store_token(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_pt
 
 
 @triton.jit
-def _decode_heads(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, kv_head, start, end, head_mask,
+def _decode_heads(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, kv_head, start, end, row_end,
                   offs_d, scale_log2, BLOCK_SIZE: tl.constexpr, stride_kb, stride_kt, stride_kh,
                   HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SCALED: tl.constexpr):
-    """(acc [G, D], max [G], sum [G]) of the online softmax of one token's query heads q [G, D]
-    (G = BLOCK_G; those of kv_head where head_mask) over its keys [start, end)."""
+    """(acc [G, D], max [G], sum [G]) of the online softmax of query rows q [G, D] (G = BLOCK_G;
+    heads of kv_head, of one token or of a few consecutive ones) over the keys [start, end) of
+    their sequence, row i over those before row_end[i] (<= end; 0 for a padding row)."""
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        in_range = n0 + tl.arange(0, BLOCK_N) < end
-        valid = in_range[None, :] & head_mask[:, None]
+        keys = n0 + tl.arange(0, BLOCK_N)
+        in_range = keys < end
+        valid = keys[None, :] < row_end[:, None]
         acc, m, l = _attend_tile(q, acc, m, l, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr,
                                  kv_head, n0, in_range, valid, offs_d, scale_log2, BLOCK_SIZE, stride_kb,
                                  stride_kt, stride_kh, HEAD_DIM, BLOCK_N, SCALED)

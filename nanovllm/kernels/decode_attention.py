@@ -1,5 +1,6 @@
-"""Paged decode attention: one new token per sequence over its cached context, split over the
-context (flash-decoding) where the batch alone does not fill the GPU; tiles and layout are attention.py's."""
+"""Paged decode attention: one new token per sequence (or a few: a verify run's) over its cached
+context, split over the context (flash-decoding) where the batch alone does not fill the GPU;
+tiles and layout are attention.py's."""
 import torch
 import triton
 import triton.language as tl
@@ -16,20 +17,23 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
                             context_lens_ptr, block_tables_ptr, scale_log2, stride_qt, stride_qh, stride_ot,
                             stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
                             k_ptr, v_ptr, stride_knt, stride_vnt, positions_ptr, cos_sin_ptr, q_weight_ptr,
-                            k_weight_ptr, eps, slot_ptr, GROUP: tl.constexpr,
+                            k_weight_ptr, eps, slot_ptr, GROUP: tl.constexpr, Q_LEN: tl.constexpr,
                             BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                             BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SCALED: tl.constexpr,
                             ROPE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-    """Grid (num_kv_heads, num_seqs, NUM_SPLITS): one query token per sequence (flash-decoding).
+    """Grid (num_kv_heads, num_seqs, NUM_SPLITS): each sequence's last Q_LEN tokens (token rows
+    seq * Q_LEN + j; one in a decode step, 1 + k when verifying k drafts), causally: token j sees
+    the context_len - (Q_LEN - 1 - j) keys before it and itself (flash-decoding).
     Heads vary fastest so that the GPU starts every head of the first sequences first: with the
     batch ordered longest context first, that is longest-processing-time-first scheduling.
-    Each program reads one KV head's keys once for all GROUP query heads that share it, over its
-    share of the context. With one split it writes the output; otherwise it writes the partial
-    (acc [D], max, sum) per head and split for reduce_splits_kernel.
-    With ROPE, q and the token's k, v are this step's projections, not yet normed, rotated or
-    stored: every program norms and rotates its q heads (qk_norm_rope's arithmetic), and the
-    program whose keys end at the token first stores its k and v (qk_norm_rope's work, one
-    kernel fewer per layer)."""
+    Each program reads one KV head's keys once for the Q_LEN x GROUP query rows that share it
+    (token-major in BLOCK_G rows), over its share of the context. With one split it writes the
+    output; otherwise it writes the partial (acc [D], max, sum) per row and split for
+    reduce_splits_kernel.
+    With ROPE (Q_LEN 1), q and the token's k, v are this step's projections, not yet normed,
+    rotated or stored: every program norms and rotates its q heads (qk_norm_rope's arithmetic),
+    and the program whose keys end at the token first stores its k and v (qk_norm_rope's work,
+    one kernel fewer per layer)."""
     pdl_start(PDL)
     kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx_len = tl.load(context_lens_ptr + seq)
@@ -40,41 +44,44 @@ def decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
     end = tl.minimum(start + per_split, ctx_len)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
-    heads, head_mask = kv_head * GROUP + offs_g, offs_g < GROUP
+    token = offs_g // GROUP  # of the sequence's Q_LEN
+    rows, heads, row_mask = seq * Q_LEN + token, kv_head * GROUP + offs_g % GROUP, offs_g < Q_LEN * GROUP
     cos, sin = 0.0, 0.0
     if ROPE:
         cos, sin = _cos_sin(cos_sin_ptr, tl.load(positions_ptr + seq), HEAD_DIM)
-    q = _decode_q(q_ptr, seq, heads, head_mask, cos, sin, q_weight_ptr, eps, stride_qt, stride_qh, HEAD_DIM,
+    q = _decode_q(q_ptr, rows, heads, row_mask, cos, sin, q_weight_ptr, eps, stride_qt, stride_qh, HEAD_DIM,
                   BLOCK_G, ROPE, NORM, SCALED)
     if ROPE:
         if (end == ctx_len) & (ctx_len > 0):
             _store_token(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, cos, sin, k_weight_ptr,
                          eps, slot_ptr, seq, kv_head, stride_knt, stride_vnt, stride_kb, stride_kt, stride_kh,
                          HEAD_DIM, BLOCK_SIZE, NORM, SCALED)
+    row_end = tl.where(row_mask, tl.minimum(end, ctx_len - (Q_LEN - 1 - token)), 0)
     acc, m, l = _decode_heads(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + seq * stride_bt,
-                              kv_head, start, end, head_mask, offs_d, scale_log2, BLOCK_SIZE, stride_kb, stride_kt,
+                              kv_head, start, end, row_end, offs_d, scale_log2, BLOCK_SIZE, stride_kb, stride_kt,
                               stride_kh, HEAD_DIM, BLOCK_G, BLOCK_N, SCALED)
     if NUM_SPLITS == 1:
-        _store_rows(o_ptr, seq + offs_g * 0, heads, head_mask, acc, l, offs_d, stride_ot, stride_oh)
+        _store_rows(o_ptr, rows, heads, row_mask, acc, l, offs_d, stride_ot, stride_oh)
     else:
         num_heads = tl.num_programs(0) * GROUP
-        part = (seq * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G] rows of [num_seqs, num_heads, NUM_SPLITS]
-        tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=head_mask[:, None])
-        tl.store(ml_ptr + part * 2, m, mask=head_mask)
-        tl.store(ml_ptr + part * 2 + 1, l, mask=head_mask)
+        part = (rows * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G] rows of [num_tokens, num_heads, NUM_SPLITS]
+        tl.store(acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_mask[:, None])
+        tl.store(ml_ptr + part * 2, m, mask=row_mask)
+        tl.store(ml_ptr + part * 2 + 1, l, mask=row_mask)
 
 
 @triton.jit
 def reduce_splits_kernel(o_ptr, acc_ptr, ml_ptr, context_lens_ptr, stride_ot, stride_oh, GROUP: tl.constexpr,
-                         MERGE_G: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         SPLIT_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    """Grid (num_seqs, num_kv_heads): the partial softmaxes (acc [D], max, sum) that
-    decode_attention_kernel wrote for the GROUP query heads of one KV head (MERGE_G >= GROUP
-    rows) merged, SPLIT_CHUNK splits per step, from the splits that had keys only (none for a
-    context of 0: zeros)."""
+                         Q_LEN: tl.constexpr, MERGE_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                         PDL: tl.constexpr):
+    """Grid (num_tokens, num_kv_heads): the partial softmaxes (acc [D], max, sum) that
+    decode_attention_kernel wrote for one token's GROUP query heads of one KV head (MERGE_G >=
+    GROUP rows) merged, SPLIT_CHUNK splits per step, from the splits that had keys only (none for
+    a context of 0: zeros); the token's sequence is token // Q_LEN."""
     pdl_start(PDL)
-    seq, kv_head = tl.program_id(0), tl.program_id(1)
-    ctx_len = tl.load(context_lens_ptr + seq)
+    seq, kv_head = tl.program_id(0), tl.program_id(1)  # seq: the token row
+    ctx_len = tl.load(context_lens_ptr + seq // Q_LEN)
     num_splits = tl.cdiv(ctx_len, tl.maximum(_split_len(ctx_len, NUM_SPLITS, BLOCK_N), 1))
     offs_g = tl.arange(0, MERGE_G)
     heads, head_mask = kv_head * GROUP + offs_g, offs_g < GROUP
@@ -124,26 +131,33 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, group: int, device: torc
     return min(64, triton.next_power_of_2(max(1, -(-8 * num_sms(device.index or 0) // programs))))
 
 
+MAX_QUERY_ROWS = 64  # a program's query rows (q_len x heads per KV head): its tile's height
+
+
 def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num_splits=None, out=None,
-                     kv_scales=None, block_n=DECODE_BLOCK_N, num_warps=None, num_stages=2, new_token=None):
-    """Attention of one new token per sequence, q: [num_seqs, num_heads, head_dim], over its
-    context_lens[i] cached keys; context length 0 gives zeros (padding rows of CUDA graphs).
+                     kv_scales=None, block_n=DECODE_BLOCK_N, num_warps=None, num_stages=2, new_token=None, q_len=1):
+    """Attention of each sequence's last q_len tokens, q: [num_seqs * q_len, num_heads, head_dim]
+    (sequence-major), over its context_lens[i] cached keys (theirs included), causally: token j of
+    a sequence sees context_lens[i] - (q_len - 1 - j) keys. q_len 1 is a decode step; 1 + k
+    verifies k drafts. Context length 0 gives zeros (padding rows of CUDA graphs). q_len times the
+    query heads per KV head must be at most MAX_QUERY_ROWS (AssertionError).
     kv_scales: (k_scales, v_scales) of a float8 cache, else None. num_warps: by default 4, or 2 for
     a float8 cache (the fastest of a sweep of tile variants on an H100 at batch 256, docs/perf-log.md,
-    2026-11-24). new_token: None (q final, the token's k and v already in the cache), or (k
-    [num_seqs, num_kv_heads, head_dim], v (same), positions [num_seqs] int64, cos_sin_cache,
-    q_weight, k_weight, eps, slot_mapping [num_seqs]) as qk_norm_rope takes them: q and k are
-    then normed (weights not None) and rotated, and k, v stored at slot_mapping, inside the
-    kernel; q is not written."""
+    2026-11-24). new_token (q_len 1 only): None (q final, the token's k and v already in the
+    cache), or (k [num_seqs, num_kv_heads, head_dim], v (same), positions [num_seqs] int64,
+    cos_sin_cache, q_weight, k_weight, eps, slot_mapping [num_seqs]) as qk_norm_rope takes them:
+    q and k are then normed (weights not None) and rotated, and k, v stored at slot_mapping,
+    inside the kernel; q is not written."""
     out = torch.empty_like(q) if out is None else out
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.size(2)
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs, num_kv_heads = num_tokens // q_len, k_cache.size(2)
     group = num_heads // num_kv_heads
+    assert num_seqs * q_len == num_tokens and q_len * group <= MAX_QUERY_ROWS and (q_len == 1 or new_token is None)
     splits = num_splits or decode_num_splits(num_seqs, num_kv_heads, group, q.device)
     acc = ml = out  # unused when splits == 1
     if splits > 1:
-        acc = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-        ml = torch.empty(num_seqs, num_heads, splits, 2, dtype=torch.float32, device=q.device)
+        acc = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        ml = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=q.device)
     caches, strides = _cache_args(k_cache, v_cache, kv_scales)
     k, v, positions, cos_sin, q_weight, k_weight, eps, slots = new_token or (q, q, context_lens, q, None, None, 0.0,
                                                                            context_lens)
@@ -155,15 +169,15 @@ def decode_attention(q, k_cache, v_cache, context_lens, block_tables, scale, num
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
         k, v, k.stride(0), v.stride(0), positions, cos_sin, q if q_weight is None else q_weight,
         q if k_weight is None else k_weight, eps, slots, ROPE=new_token is not None, NORM=q_weight is not None,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.size(1),
-        BLOCK_N=block_n, NUM_SPLITS=splits, SCALED=kv_scales is not None,
+        GROUP=group, Q_LEN=q_len, BLOCK_G=max(16, triton.next_power_of_2(q_len * group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.size(1), BLOCK_N=block_n, NUM_SPLITS=splits, SCALED=kv_scales is not None,
         num_warps=num_warps or (4 if kv_scales is None else 2), num_stages=num_stages, **pdl_args(q.device))
     if splits > 1:
-        # one program per KV head merges its query heads' partials, 32 // heads splits per step
+        # one program per token and KV head merges its query heads' partials, 32 // heads splits per step
         merge_g = triton.next_power_of_2(group)
         chunk = min(splits, max(1, 32 // merge_g))
-        reduce_splits_kernel[(num_seqs, num_kv_heads)](out, acc, ml, context_lens, out.stride(0), out.stride(1),
-                                                       GROUP=group, MERGE_G=merge_g, HEAD_DIM=head_dim,
-                                                       NUM_SPLITS=splits, SPLIT_CHUNK=chunk, BLOCK_N=block_n,
-                                                       **pdl_args(q.device))
+        reduce_splits_kernel[(num_tokens, num_kv_heads)](out, acc, ml, context_lens, out.stride(0), out.stride(1),
+                                                         GROUP=group, Q_LEN=q_len, MERGE_G=merge_g, HEAD_DIM=head_dim,
+                                                         NUM_SPLITS=splits, SPLIT_CHUNK=chunk, BLOCK_N=block_n,
+                                                         **pdl_args(q.device))
     return out

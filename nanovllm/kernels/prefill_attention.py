@@ -61,10 +61,11 @@ def prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_sca
         cos, sin = 0.0, 0.0
         if ROPE:
             cos, sin = _cos_sin(cos_sin_ptr, ctx_len - 1, HEAD_DIM)
-        q = _decode_q(q_ptr, seq, heads, head_mask, cos, sin, q_weight_ptr, eps, stride_qt, stride_qh, HEAD_DIM,
-                      BLOCK_G, ROPE, NORM, SCALED)
+        q = _decode_q(q_ptr, seq + offs_g * 0, heads, head_mask, cos, sin, q_weight_ptr, eps, stride_qt, stride_qh,
+                      HEAD_DIM, BLOCK_G, ROPE, NORM, SCALED)
         acc, m, l = _decode_heads(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                  block_tables_ptr + seq * stride_bt, kv_head, 0, ctx_len, head_mask, offs_d,
+                                  block_tables_ptr + seq * stride_bt, kv_head, 0, ctx_len,
+                                  tl.where(head_mask, ctx_len, 0), offs_d,
                                   scale_log2, BLOCK_SIZE, stride_kb, stride_kt, stride_kh, HEAD_DIM, BLOCK_G,
                                   BLOCK_N, SCALED)
         _store_rows(o_ptr, seq + offs_g * 0, heads, head_mask, acc, l, offs_d, stride_ot, stride_oh)

@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from nanovllm.layers.attention.base import AttentionBackend
-from nanovllm.kernels.decode_attention import decode_attention
+from nanovllm.kernels.decode_attention import MAX_QUERY_ROWS, decode_attention
 from nanovllm.kernels.prefill_attention import dequantize_blocks, prefill_attention, staging_plan
 from nanovllm.kernels.qk_norm_rope import qk_norm_rope, rope_store_kv
 
@@ -27,9 +27,12 @@ class TritonBackend(AttentionBackend):
     first). Prefill: one kernel norms, rotates and stores k and stores v, then paged prefill
     attention norms and rotates its q tiles; a mixed step's decoding sequences, from
     DECODE_PROGRAMS_FROM of them, get decode programs in its grid. A step of q_len > 1 new tokens
-    per sequence (verifying drafts) takes the prefill path; its grid is fixed for a fixed (batch
-    size, q_len), so such steps replay CUDA graphs too (without gluon_prefill's work list or a
-    float8 cache's staging, which are planned on the host per step).
+    per sequence (verifying drafts) takes qk_norm_rope and the decode kernel, whose programs take
+    the q_len tokens of a sequence together over its keys, split as a decode step's, where q_len
+    x the query heads per KV head fit its tile (MAX_QUERY_ROWS); else the prefill path, whose q
+    tiles read the whole context per query head with q_len of their 64 rows in use. Either
+    grid is fixed for a fixed (batch size, q_len), so such steps replay CUDA graphs too (without
+    gluon_prefill's work list or a float8 cache's staging, which are planned on the host per step).
     A float8 cache's prefill step first dequantizes the blocks its q tiles read into the staging
     area (when they fit), and the q tiles read those as a model-dtype cache: converting float8
     tiles inside the kernel runs it at half its bf16 speed (H100, 16 x 1024 tokens of Qwen3-0.6B:
@@ -45,6 +48,9 @@ class TritonBackend(AttentionBackend):
     def forward(self, layer, q, k, v, meta):
         if meta.is_decode:
             return self._decode(layer, q, k, v, meta)
+        q_len = meta.uniform_q_len
+        if q_len is not None and q_len * (q.size(1) // k.size(1)) <= MAX_QUERY_ROWS:
+            return self._uniform(layer, q, k, v, meta)
         i, d = layer.layer_idx, self._num_decode_programs(meta.num_decodes)
         q_weight, k_weight, eps = self._qk_norm(layer)
         rope_store_kv(meta.positions, k, layer.rotary_emb.cos_sin_cache, k_weight, eps,
@@ -125,6 +131,17 @@ class TritonBackend(AttentionBackend):
                      kv_cache=(v, self.k_caches[i], self.v_caches[i], *scales, meta.slot_mapping))
         return decode_attention(q, self.k_caches[i], self.v_caches[i], meta.context_lens, meta.block_tables,
                                 layer.scale, kv_scales=scales)
+
+    def _uniform(self, layer, q, k, v, meta):
+        """Attention of q [num_seqs * q_len, num_heads, head_dim], q_len new tokens per sequence (not
+        yet normed or rotated, their k and v not yet stored): qk_norm_rope, then the decode kernel."""
+        i = layer.layer_idx
+        q_weight, k_weight, eps = self._qk_norm(layer)
+        qk_norm_rope(meta.positions, q, k, layer.rotary_emb.cos_sin_cache, q_weight, k_weight, eps,
+                     kv_cache=(v, self.k_caches[i], self.v_caches[i], self.k_scales[i], self.v_scales[i],
+                               meta.slot_mapping))
+        return decode_attention(q, self.k_caches[i], self.v_caches[i], meta.context_lens, meta.block_tables,
+                                layer.scale, kv_scales=self._scales(i), q_len=meta.uniform_q_len)
 
     def _scales(self, i: int) -> tuple | None:
         return None if self.k_scales[i] is None else (self.k_scales[i], self.v_scales[i])
