@@ -146,7 +146,7 @@ class AttentionBackend:
 
     def graph_metadata(self, batch_size: int, q_len: int = 1) -> AttentionMetadata:
         """The static metadata of a step of batch_size sequences of q_len new tokens each (what a
-        graph captures): a decode step for q_len 1, else one the prefill path runs. The graph's
+        graph captures): a decode step for q_len 1, else a verify step (not is_decode). The graph's
         warm-up and first replay run on these values: for q_len > 1 each sequence's context is its
         q_len tokens, as write_graph_inputs pads (a context of 0 would place the queries before
         position 0, where the prefill kernel's rotary table lookups read before the table)."""
