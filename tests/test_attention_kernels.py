@@ -341,8 +341,8 @@ def _uniform_meta(cached, q_len, tables, block_size):
 @pytest.mark.parametrize("q_len", [2, 3])
 def test_uniform_steps_of_several_tokens_through_the_backends(backend, q_len):
     """A step of q_len new tokens for every sequence (a verify run: its last token and q_len - 1
-    drafts) through a backend's forward (rotary, K/V store, attention; the Triton backend's prefill
-    path): paged_attention_reference's attention over the cache as the step writes it, and the same
+    drafts) through a backend's forward (rotary, K/V store, attention; the Triton backend's
+    qk_norm_rope and decode kernel of q_len tokens a program): paged_attention_reference's attention over the cache as the step writes it, and the same
     tokens run one at a time as decode steps give the same rows."""
     from nanovllm.engine.kv_cache import KVCache
     from nanovllm.layers.attention import Attention, make_backend
