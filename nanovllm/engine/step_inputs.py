@@ -54,16 +54,16 @@ def plan_step(scheduled: list[tuple[Sequence, int]], block_size: int, prev_rows:
     its first row, its drafts) each. lookahead: block tables wide enough for that many tokens more
     (a draft model's chain of steps, ModelRunner.run_chain). Index math is vectorised."""
     num_seqs = len(scheduled)
-    counts = np.fromiter((n for _, n in scheduled), np.int64, num_seqs)
-    context_lens = np.fromiter((seq.num_computed_tokens for seq, _ in scheduled), np.int64, num_seqs)
-    starts = context_lens - counts
-    cu_q = np.zeros(num_seqs + 1, np.int64)
-    np.cumsum(counts, out=cu_q[1:])
-    width = int(-(-(context_lens.max() + lookahead) // block_size))
+    ends = [seq.num_computed_tokens for seq, _ in scheduled]
+    width = -(-(max(ends) + lookahead) // block_size)
     block_tables = np.full((num_seqs, width), -1, np.int64)
+    cu_q, counts = [0], []
     input_ids, pending, samples, sampled, runs = [], [], [], [], []
     prompt_rows, prompt_targets, prompt_spans, num_prompt_logprobs = [], [], [], 0
-    for i, ((seq, n), start, end) in enumerate(zip(scheduled, starts.tolist(), context_lens.tolist())):
+    for i, ((seq, n), end) in enumerate(zip(scheduled, ends)):  # plain Python: numpy costs ~1 us a call here
+        start = end - n
+        counts.append(n)
+        cu_q.append(cu_q[-1] + n)
         table = seq.block_table[:width]
         block_tables[i, :len(table)] = table
         input_ids.extend(seq.token_ids[start:end])
@@ -84,12 +84,16 @@ def plan_step(scheduled: list[tuple[Sequence, int]], block_size: int, prev_rows:
         if seq.sampling_params.prompt_logprobs is not None:
             first, last = start, min(end, seq.num_prompt_tokens - 1)
             if last > first:
-                prompt_rows.extend(range(int(cu_q[i]), int(cu_q[i]) + last - first))
+                prompt_rows.extend(range(cu_q[i], cu_q[i] + last - first))
                 prompt_targets.extend(seq.token_ids[first + 1:last + 1])
                 prompt_spans.append((seq, first, last - first))
                 num_prompt_logprobs = max(num_prompt_logprobs, seq.sampling_params.prompt_logprobs)
+    uniform_q_len = int(counts[0]) if counts.count(counts[0]) == num_seqs else None
+    num_decodes = num_seqs if uniform_q_len == 1 else next(i for i, n in enumerate(counts) if n != 1)
+    context_lens = np.array(ends, np.int64)
+    max_seqlen_q, cu_q, counts = int(max(counts)), np.array(cu_q, np.int64), np.array(counts, np.int64)
     seq_of_token = np.repeat(np.arange(num_seqs), counts)
-    positions = np.arange(cu_q[-1]) - cu_q[seq_of_token] + starts[seq_of_token]
+    positions = np.arange(cu_q[-1]) - cu_q[seq_of_token] + (context_lens - counts)[seq_of_token]
     slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
     samples = np.array(samples, np.int64)
     sample_rows, num_sampled = cu_q[samples + 1] - 1, np.zeros(num_seqs, np.int64)
@@ -98,11 +102,10 @@ def plan_step(scheduled: list[tuple[Sequence, int]], block_size: int, prev_rows:
         k = len(run)
         sample_rows[first:first + k + 1] = sample_rows[first + k] - np.arange(k, -1, -1)
         num_sampled[samples[first]] = k + 1
-    uniform_q_len = int(counts[0]) if (counts == counts[0]).all() else None
     plan = StepPlan(np.array(input_ids, np.int64), np.array(pending, np.int64).reshape(-1, 2), positions, cu_q,
-                    context_lens, slot_mapping, block_tables, sample_rows, num_sampled, uniform_q_len,
-                    int(counts.max()), _leading_ones(counts), np.array(block_copies, np.int64).reshape(-1, 2),
-                    np.array(prompt_rows, np.int64), np.array(prompt_targets, np.int64), num_prompt_logprobs)
+                    context_lens, slot_mapping, block_tables, sample_rows, num_sampled, uniform_q_len, max_seqlen_q,
+                    num_decodes, np.array(block_copies, np.int64).reshape(-1, 2), np.array(prompt_rows, np.int64),
+                    np.array(prompt_targets, np.int64), num_prompt_logprobs)
     return plan, sampled, prompt_spans, runs
 
 
@@ -115,12 +118,6 @@ def draft_offsets(runs: list[tuple], num_rows: int) -> list[int] | None:
     for _, first, run in runs:
         offsets[first:first + len(run) + 1] = range(len(run) + 1)
     return offsets
-
-
-def _leading_ones(counts: np.ndarray) -> int:
-    """How many entries of counts, from the first, are 1."""
-    others = np.flatnonzero(counts != 1)
-    return int(others[0]) if others.size else counts.size
 
 
 class Stager:
