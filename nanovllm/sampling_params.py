@@ -94,6 +94,9 @@ class StructuredOutputsParams:
         return json.loads(self.json) if isinstance(self.json, str) else self.json
 
 
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name (with SamplingParams' guided_decoding)
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop (vLLM's `SamplingParams`).

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+from nanovllm.sampling_params import GuidedDecodingParams
 from tests.conftest import hf_greedy
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -380,7 +381,7 @@ def test_bad_structured_outputs_arguments(tiny, tiny_qwen3):
     with pytest.raises(ValueError, match="not both"):
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"),
                        guided_decoding=StructuredOutputsParams(regex="b"))
-    old = SamplingParams(guided_decoding=StructuredOutputsParams(regex="a"))
+    old = SamplingParams(guided_decoding=GuidedDecodingParams(regex="a"))  # vLLM's older names
     assert old.structured_outputs.regex == "a" and old.guided_decoding is None and old.needs_processing
     with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
         SamplingParams(structured_outputs={"regex": "a"})
