@@ -62,9 +62,10 @@ def moe_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tupl
 def moe_align_kernel(order_ptr, bounds_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_pairs, E,
                      BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
     """Grid (E,): program e writes expert e's run of the layout. order [num_pairs]: the pairs
-    sorted by expert; bounds [E + 1]: where each expert's pairs start in order, bounds[E] where
-    the last expert's end. Expert e's run starts after the earlier experts' runs, each padded to a
-    multiple of BLOCK_M; its tiles get e in expert_ids; program 0 writes the total to num_padded."""
+    sorted by expert; bounds [E + 1]: where each expert's pairs start in order, and bounds[E]
+    where the last expert's pairs end (pairs left out come after it). Expert e's run starts after
+    the earlier experts' runs, each padded to a multiple of BLOCK_M; its tiles get e in
+    expert_ids; program 0 writes the total to num_padded."""
     e = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     counts = tl.load(bounds_ptr + offs + 1, mask=offs < E, other=0) - tl.load(bounds_ptr + offs, mask=offs < E, other=0)

@@ -32,7 +32,7 @@ class TritonBackend(AttentionBackend):
     x the query heads per KV head fit its tile (MAX_QUERY_ROWS); else the prefill path, whose q
     tiles read the whole context per query head with q_len of their 64 rows in use (one sequence
     of 5 tokens and 1100 of context, H200: 19.9 -> 10.7 us with Qwen3-0.6B's heads, 22.8 -> 10.8
-    with Qwen3-8B's, benchmarks/decode_attention.py --q-len, docs/perf-log.md 2026-11-28). Either
+    with Qwen3-8B's: docs/perf-log.md, 2026-11-28; benchmarks/decode_attention.py --q-len times it). Either
     grid is fixed for a fixed (batch size, q_len), so such steps replay CUDA graphs too (without
     gluon_prefill's work list or a float8 cache's staging, which are planned on the host per step).
     A float8 cache's prefill step first dequantizes the blocks its q tiles read into the staging
