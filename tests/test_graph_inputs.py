@@ -1,14 +1,17 @@
-"""graph_inputs_kernel against the torch copies it replaces: a uniform step's ids (pending ones from the
-previous step's sampled tokens) and metadata written into a graph's static buffers, padding
-sequences reset, everything outside the step's rows and columns left as it was; for decode steps
-(q_len 1) and for q_len new tokens per sequence (verify runs). CPU: Triton's interpreter."""
+"""A graphed step's inputs: staged by the Stager at a GraphLayout's places, then written by
+graph_inputs_kernel into a graph's static buffers, against the torch copies that kernel replaces: ids
+(pending ones from the previous step's sampled tokens) and metadata, padding sequences reset,
+everything outside the step's rows and columns left as it was; for decode steps (q_len 1) and for
+q_len new tokens per sequence (verify runs). CPU: Triton's interpreter."""
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("triton")
+from nanovllm.engine.step_inputs import GraphLayout, Stager, StepPlan  # noqa: E402
 from nanovllm.kernels.graph_inputs import write_graph_inputs  # noqa: E402
-from nanovllm.sequence import PLACEHOLDER  # noqa: E402
 from nanovllm.layers.attention.base import AttentionMetadata  # noqa: E402
+from nanovllm.sequence import PLACEHOLDER  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -22,62 +25,76 @@ def static_buffers(max_tokens, max_bs, max_blocks, gen):
         rand(max_bs, max_blocks, dtype=torch.int32), 1, 1)
 
 
+def make_plan(n, width, num_pending, q_len, gen, sampled_rows):
+    """A StepPlan of n sequences of q_len tokens, the last token of num_pending of them pending."""
+    num_tokens = n * q_len
+    ids = torch.randint(0, 50_000, (num_tokens,), generator=gen)
+    index = torch.randperm(n, generator=gen)[:num_pending] * q_len + q_len - 1  # a sequence's last token pends
+    pending = torch.stack([index, torch.randperm(sampled_rows, generator=gen)[:num_pending]], 1)
+    ids[index] = PLACEHOLDER
+    cu = np.arange(0, num_tokens + 1, q_len)
+    return StepPlan(ids.numpy(), pending.numpy(), torch.randint(0, 4096, (num_tokens,), generator=gen).numpy(), cu,
+                    torch.randint(1, 4096, (n,), generator=gen).numpy(),
+                    torch.randint(0, 99_999, (num_tokens,), generator=gen).numpy(),
+                    torch.randint(0, 10_000, (n, width), generator=gen).numpy(), cu[1:] - 1, np.ones(n, np.int64),
+                    q_len, q_len, n if q_len == 1 else 0, np.zeros((0, 2), np.int64), np.zeros(0, np.int64),
+                    np.zeros(0, np.int64), 0)
+
+
 @pytest.mark.parametrize("n, batch_size, width, num_pending, q_len",
                          [(1, 1, 1, 1, 1), (3, 4, 70, 2, 1), (5, 8, 3, 0, 1), (16, 16, 130, 16, 1),
-                          (3, 4, 70, 2, 3), (5, 8, 3, 5, 4), (2, 2, 5, 0, 2)])
+                          (3, 4, 70, 2, 3), (5, 8, 3, 5, 4), (2, 2, 5, 0, 2), (0, 4, 0, 0, 1)])
 def test_graph_inputs_match_the_torch_copies(n, batch_size, width, num_pending, q_len):
+    """n = 0: what a graph's capture stages (padding only)."""
     gen = torch.Generator().manual_seed(n * 1000 + width + q_len)
     max_bs, max_blocks = batch_size + 3, width + 5
     graph_ids, graph_meta = static_buffers(max_bs * q_len, max_bs, max_blocks, gen)
-    num_tokens = n * q_len
     sampled = torch.randint(0, 50_000, (n + 4,), generator=gen).to(DEVICE)
-    ids = torch.randint(0, 50_000, (num_tokens,), generator=gen)
-    index = torch.randperm(n, generator=gen)[:num_pending] * q_len + q_len - 1  # a sequence's last token pends
-    pending = torch.stack([index, torch.randperm(n + 4, generator=gen)[:num_pending]], 1)
-    ids[index] = PLACEHOLDER
-    tables = torch.randint(0, 10_000, (n, width), generator=gen, dtype=torch.int32)
-    meta = AttentionMetadata(torch.randint(0, 4096, (num_tokens,), generator=gen),
-                             torch.randint(0, 99_999, (num_tokens,), generator=gen), None,
-                             torch.randint(1, 4096, (n,), generator=gen, dtype=torch.int32), tables, q_len, q_len)
-    meta = AttentionMetadata(*(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in vars(meta).values()))
-    ids, pending = ids.to(DEVICE), pending.to(DEVICE)
+    layout = GraphLayout(batch_size, q_len, max_blocks)
+    staging = torch.randint(0, 256, (layout.nbytes + 4096,), generator=gen, dtype=torch.uint8).to(DEVICE)  # stale bytes
+    plan = make_plan(n, width, num_pending, q_len, gen, n + 4)
+    num_tokens = n * q_len
+    tensors = Stager(torch.device(DEVICE)).upload_plan(plan, {}, layout, staging)
+    for name in ("input_ids", "pending", "positions", "slot_mapping", "context_lens", "block_tables", "sample_rows",
+                 "cu_seqlens_q"):  # where the engine reads them: the staging area
+        if name in tensors:
+            assert np.array_equal(tensors[name].cpu().numpy(), getattr(plan, name)), name
+    assert ("pending" in tensors) == (num_pending > 0)
 
+    ids = torch.from_numpy(plan.input_ids).to(DEVICE)
+    pending = torch.from_numpy(plan.pending).to(DEVICE)
     ref_ids, ref_meta = graph_ids.clone(), AttentionMetadata(*(x.clone() if isinstance(x, torch.Tensor) else x
                                                                for x in vars(graph_meta).values()))
-    ref_ids[:num_tokens] = ids
+    ref_ids[:num_tokens] = torch.where(ids == PLACEHOLDER, ref_ids[:num_tokens], ids)
     ref_ids[pending[:, 0]] = sampled[pending[:, 1]]
-    ref_meta.positions[:num_tokens] = meta.positions
+    ref_meta.positions[:num_tokens] = torch.from_numpy(plan.positions)
     ref_meta.slot_mapping[:batch_size * q_len] = -1
-    ref_meta.slot_mapping[:num_tokens] = meta.slot_mapping
+    ref_meta.slot_mapping[:num_tokens] = torch.from_numpy(plan.slot_mapping)
     ref_meta.context_lens[:batch_size] = 0 if q_len == 1 else q_len  # padding: see write_graph_inputs
-    ref_meta.context_lens[:n] = meta.context_lens
-    ref_meta.block_tables[:n, :width] = meta.block_tables
+    ref_meta.context_lens[:n] = torch.from_numpy(plan.context_lens)
+    ref_meta.block_tables[:n, :width] = torch.from_numpy(plan.block_tables)
 
-    write_graph_inputs(batch_size, ids, pending if num_pending else None, sampled, meta, graph_ids, graph_meta,
-                       PLACEHOLDER, q_len)
+    write_graph_inputs(layout.views(staging), sampled, graph_ids, graph_meta, PLACEHOLDER, q_len)
     assert torch.equal(graph_ids, ref_ids)  # padding sequences' ids as they were
     assert (graph_ids[:num_tokens] != PLACEHOLDER).all()
     for name in ("positions", "slot_mapping", "context_lens", "block_tables"):
         assert torch.equal(getattr(graph_meta, name), getattr(ref_meta, name)), name
 
 
-def test_a_graphs_static_metadata_written_onto_itself_stays_as_it_was():
-    """What CUDAGraphRunner.capture does for each (batch size, q_len) to compile the kernel before any
-    generate call: every buffer keeps its values."""
-    from nanovllm.layers.attention.base import AttentionBackend
-    gen = torch.Generator().manual_seed(7)
-    backend = AttentionBackend()
-    backend.init_graph_state(8, 6, [1, 5], torch.device(DEVICE))
-    for buffer in (backend.graph_meta.positions, backend.graph_meta.slot_mapping, backend.graph_meta.context_lens,
-                   backend.graph_meta.block_tables):
-        buffer.copy_(torch.randint(0, 1000, buffer.shape, generator=gen))
-    ids = torch.randint(0, 50_000, (40,), generator=gen).to(DEVICE)
-    for batch_size, q_len in ((8, 1), (3, 1), (8, 5), (2, 5)):
-        meta = backend.graph_metadata(batch_size, q_len)
-        before = [x.clone() for x in (ids, *(getattr(backend.graph_meta, n) for n in
-                                            ("positions", "slot_mapping", "context_lens", "block_tables")))]
-        write_graph_inputs(batch_size, ids[:batch_size * q_len], None, None, meta, ids, backend.graph_meta,
-                           PLACEHOLDER, q_len)
-        after = (ids, *(getattr(backend.graph_meta, n) for n in ("positions", "slot_mapping", "context_lens",
-                                                                 "block_tables")))
-        assert all(torch.equal(a, b) for a, b in zip(after, before)), (batch_size, q_len)
+def test_pending_tokens_outside_the_graph():
+    """Under tensor parallelism rank 0 fills in pending tokens before it broadcasts the ids: they go
+    up with the step's other arrays, and the header counts none for the graph to gather."""
+    gen = torch.Generator().manual_seed(3)
+    layout, plan = GraphLayout(4, 1, 8), make_plan(3, 5, 2, 1, gen, 7)
+    staging = torch.zeros(layout.nbytes + 4096, dtype=torch.uint8, device=DEVICE)
+    tensors = Stager(torch.device(DEVICE)).upload_plan(plan, {}, layout, staging, pending_in_graph=False)
+    assert np.array_equal(tensors["pending"].cpu().numpy(), plan.pending)
+    assert layout.views(staging)["header"][:3].tolist() == [3, 5, 0]
+    assert tensors["pending"].data_ptr() >= staging.data_ptr() + layout.nbytes  # after the graph's fields
+
+
+def test_a_staging_area_too_small_is_refused():
+    gen = torch.Generator().manual_seed(4)
+    layout, plan = GraphLayout(4, 1, 8), make_plan(3, 5, 0, 1, gen, 7)
+    with pytest.raises(AssertionError, match="overflow their staging area"):
+        Stager(torch.device(DEVICE)).upload_plan(plan, {}, layout, torch.zeros(layout.nbytes, dtype=torch.uint8))

@@ -4,12 +4,15 @@ for any step of at most that many sequences with q_len new tokens each (q_len 1:
 graphs read (init_graph_state, graph_metadata); this module owns the token ids in, the hidden
 states and this rank's logits out (the LM head inside the graph costs the host no launch: ~0.1 ms
 a step at one sequence, docs/perf-log.md, 2026-11-24), and writes a step's ids and
-metadata into the static buffers before each replay (graph_inputs.py: one kernel). With LoRA
+metadata into the static buffers as the graph's first kernel (graph_inputs.py), from the step's
+upload into a static staging area (step_inputs.GraphLayout), so a step launches its upload and its
+graph and nothing else. With LoRA
 adapters each (batch size, q_len) has graphs by the kinds of layers whose deltas they compute (none, some
 for small batches, all: LoRAContext.graph_variants), on the LoRA context's static mapping."""
 import torch
 
 from nanovllm.config import Config
+from nanovllm.engine.step_inputs import GraphLayout
 from nanovllm.kernels.graph_inputs import write_graph_inputs
 from nanovllm.sequence import PLACEHOLDER
 from nanovllm.layers.attention import AttentionBackend, AttentionMetadata
@@ -55,6 +58,14 @@ class CUDAGraphRunner:
                                  list(self.batch_sizes), device)
         if lora is not None:
             lora.init_graph_state(num_tokens, device)
+        self.layouts = {(b, q): GraphLayout(b, q, max_blocks_per_seq) for q, bs in self.batch_sizes.items() for b in bs}
+        # then what a graphed step uploads after its layout's fields: sample rows and cu_seqlens_q
+        # (under 2 int64 a token), block copies (2 a sequence), the LoRA mapping (int32, its tiles
+        # padded to the graphs')
+        rest = 16 * (2 * num_tokens + 3 * max_seqs + 8) + (4 * (3 * lora.graph_tiles + num_tokens) + 16 if lora else 0)
+        self.staging = torch.zeros(max(x.nbytes for x in self.layouts.values()) + rest, dtype=torch.uint8, device=device)
+        # the last step's sampled tokens, where a graph gathers its pending ones (sampled rows: a step's drafts add theirs)
+        self.sampled = torch.zeros(max_seqs + max_tokens, dtype=torch.int64, device=device)
 
     @torch.inference_mode()
     def capture(self):
@@ -62,18 +73,14 @@ class CUDAGraphRunner:
         pool = None
         keys = [(bs, q) for q, sizes in self.batch_sizes.items() for bs in sizes]
         for bs, q_len in sorted(keys, key=lambda key: key[0] * key[1], reverse=True):
-            meta = self.backend.graph_metadata(bs, q_len)
-            # the kernel that writes a step's inputs, compiled for this q_len now rather than in the
-            # generate call that first replays it (the static metadata written onto itself)
-            write_graph_inputs(bs, self.input_ids[:bs * q_len], None, None, meta, self.input_ids,
-                               self.backend.graph_meta, PLACEHOLDER, q_len)
+            meta, staged = self.backend.graph_metadata(bs, q_len), self._staged(bs, q_len)
             for variant in self.lora.graph_variants(bs * q_len) if self.lora else [None]:
                 if self.lora:
                     self.lora.use_graph(bs * q_len, variant)
-                self._forward(bs * q_len, meta)  # warm-up (compiles)
+                self._forward(staged, q_len, meta)  # warm-up (compiles)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool):
-                    self._forward(bs * q_len, meta)
+                    self._forward(staged, q_len, meta)
                 pool = graph.pool()
                 self.graphs[(bs, q_len, variant) if self.lora else (bs, q_len)] = graph
                 graph.replay()  # a graph's first replay uploads it: paid here rather than in the first generate
@@ -89,25 +96,41 @@ class CUDAGraphRunner:
         self.chain_tokens = torch.zeros(steps, self.batch_sizes[1][-1], dtype=torch.int64, device=self.input_ids.device)
         self.chains, pool = {}, next(iter(self.graphs.values())).pool()
         for bs in reversed(self.batch_sizes[1]):
-            args = self.input_ids[:bs], self.backend.graph_metadata(bs, 1), self.chain_tokens[:, :bs]
-            chain(*args)  # warm-up
+            staged, args = self._staged(bs, 1), (self.input_ids[:bs], self.backend.graph_metadata(bs, 1),
+                                                 self.chain_tokens[:, :bs])
+            def run():
+                write_graph_inputs(staged, self.sampled, self.input_ids, self.backend.graph_meta, PLACEHOLDER, 1)
+                chain(*args)
+            run()  # warm-up
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                chain(*args)
+                run()
             self.chains[bs] = graph
             graph.replay()
             torch.cuda.synchronize()
 
-    def replay_chain(self, batch_size: int, input_ids: torch.Tensor, pending: torch.Tensor | None,
-                     sampled: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
-        """The chain of n <= batch_size sequences from their first step (inputs as replay's): its
-        tokens [steps, n], a view of a static buffer that the next replay overwrites."""
-        write_graph_inputs(batch_size, input_ids, pending, sampled, meta, self.input_ids, self.backend.graph_meta,
-                           PLACEHOLDER, 1)
+    def replay_chain(self, batch_size: int, num_seqs: int, sampled: torch.Tensor | None) -> torch.Tensor:
+        """The chain of num_seqs <= batch_size sequences from their first step (staged and sampled as
+        replay's): its tokens [steps, num_seqs], a view of a static buffer that the next replay overwrites."""
+        if sampled is not None:
+            self.sampled[:sampled.size(0)].copy_(sampled)
         self.chains[batch_size].replay()
-        return self.chain_tokens[:, :input_ids.size(0)]
+        return self.chain_tokens[:, :num_seqs]
 
-    def _forward(self, num_tokens: int, meta: AttentionMetadata):
+    def staging_for(self, key: tuple[int, int]) -> tuple[GraphLayout, torch.Tensor]:
+        """What Stager.upload_plan takes to stage a step for the graph of key (batch size, q_len)."""
+        return self.layouts[key], self.staging
+
+    def _staged(self, batch_size: int, q_len: int) -> dict[str, torch.Tensor]:
+        """The staging area's fields for this graph shape, its header set to a step of no sequences:
+        the warm-up and capture write padding only, into the static metadata graph_metadata set."""
+        staged = self.layouts[(batch_size, q_len)].views(self.staging)
+        staged["header"].zero_()
+        return staged
+
+    def _forward(self, staged: dict[str, torch.Tensor], q_len: int, meta: AttentionMetadata):
+        write_graph_inputs(staged, self.sampled, self.input_ids, self.backend.graph_meta, PLACEHOLDER, q_len)
+        num_tokens = staged["input_ids"].size(0)
         self.outputs[:num_tokens] = self.model(self.input_ids[:num_tokens], meta)
         self.model.lm_head(self.outputs[:num_tokens], out=self.logits[:num_tokens])
 
@@ -120,15 +143,15 @@ class CUDAGraphRunner:
         n = len(plan.context_lens)
         return next(((b, plan.uniform_q_len) for b in sizes if b >= n), None)
 
-    def replay(self, key: tuple[int, int], input_ids: torch.Tensor, pending: torch.Tensor | None,
-               sampled: torch.Tensor | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """A uniform step of n <= batch size sequences of q_len tokens, key = (batch size, q_len):
-        (hidden states [n * q_len, hidden_size], this rank's logits [n * q_len, vocab_shard]), views of
-        static buffers that the next replay overwrites. input_ids, pending, sampled: as
-        graph_inputs.write_graph_inputs takes them. With LoRA, the graph of the step's variant."""
-        num_tokens = input_ids.size(0)
-        write_graph_inputs(key[0], input_ids, pending, sampled, meta, self.input_ids, self.backend.graph_meta,
-                           PLACEHOLDER, key[1])
+    def replay(self, key: tuple[int, int], num_tokens: int,
+               sampled: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A uniform step of n <= batch size sequences of q_len tokens, key = (batch size, q_len),
+        staged with staging_for(key): (hidden states [num_tokens = n * q_len, hidden_size], this rank's
+        logits [num_tokens, vocab_shard]), views of static buffers that the next replay overwrites.
+        sampled: the last step's sampled tokens [rows] int64 where the step stages pending ones (the
+        graph gathers them from a static copy), else None. With LoRA, the graph of the step's variant."""
+        if sampled is not None:
+            self.sampled[:sampled.size(0)].copy_(sampled)
         if self.lora:
             key = (*key, self.lora.write_graph_inputs(key[0] * key[1]))
         self.graphs[key].replay()

@@ -233,13 +233,14 @@ class ModelRunner:
         blocks must hold its steps - 1 later tokens too. Returns the tokens, [steps][sequences],
         once they are on the host."""
         plan, seqs, _, _ = plan_step(scheduled, self.block_size, self._prev_rows, lookahead=steps - 1)
-        tensors = self.stager.upload_plan(plan, {})
-        meta = self.backend.build_metadata(plan, tensors)
-        input_ids, pending = tensors["input_ids"], tensors["pending"] if len(plan.pending) else None
         graph = self.graph_runner.graph_for(plan) if self.graph_runner else None
         if graph is not None and self.graph_runner.chain_tokens.size(0) == steps:
-            tokens = self.graph_runner.replay_chain(graph[0], input_ids, pending, self._prev_sampled, meta)
+            self.stager.upload_plan(plan, {}, *self.graph_runner.staging_for(graph))
+            tokens = self.graph_runner.replay_chain(graph[0], len(seqs), self._prev_sampled if len(plan.pending) else None)
         else:
+            tensors = self.stager.upload_plan(plan, {})
+            meta = self.backend.build_metadata(plan, tensors)
+            input_ids, pending = tensors["input_ids"], tensors["pending"] if len(plan.pending) else None
             if pending is not None:
                 index, rows = pending.unbind(1)
                 input_ids[index] = self._prev_sampled[rows]
@@ -268,12 +269,15 @@ class ModelRunner:
             arrays = self.backend.host_arrays(plan, graphed=graph is not None)
             if self.lora:
                 arrays = arrays | LoRAManager.host_arrays(plan.lora)
-            tensors = self.stager.upload_plan(plan, arrays)
+            # a graph's inputs go to its staging area, where its first kernel reads them; its pending
+            # tokens too, unless rank 0 fills them in before broadcasting the ids
+            staging = self.graph_runner.staging_for(graph) if graph is not None else ()
+            tensors = self.stager.upload_plan(plan, arrays, *staging, pending_in_graph=self.world_size == 1)
             if self.lora:
                 self.lora.begin_step(plan.lora, tensors)
-            meta = self.backend.build_metadata(plan, tensors)
+            meta = self.backend.build_metadata(plan, tensors) if graph is None else None  # a graph has its own
             pending = tensors.get("pending") if plan.input_ids is not None and len(plan.pending) else None
-            if plan.input_ids is None:  # a tensor-parallel worker: rank 0 broadcasts the ids
+            if plan.input_ids is None and graph is None:  # a tensor-parallel worker: rank 0 broadcasts the ids
                 input_ids = torch.empty(int(plan.cu_seqlens_q[-1]), dtype=torch.int64, device=self.device)
             else:
                 input_ids = tensors["input_ids"]
@@ -286,8 +290,9 @@ class ModelRunner:
         with region("forward"):
             if graph is None:
                 hidden, logits = self.model(input_ids, meta), None
-            else:  # the graph computes every row's logits (this rank's slice); pending ids are gathered with its inputs
-                hidden, logits = self.graph_runner.replay(graph, input_ids, pending, prev_sampled, meta)
+            else:  # the graph computes every row's logits (this rank's slice) and gathers pending ids
+                hidden, logits = self.graph_runner.replay(graph, input_ids.size(0),
+                                                          prev_sampled if pending is not None else None)
         if len(plan.block_copies):  # forked sequences' own copy of a shared, partial block, written just now
             src, dst = tensors["block_copies"].unbind(1)  # staged with the plan: a blocking copy would wait for the GPU
             self.kv_cache.copy_blocks(src, dst)

@@ -1,5 +1,7 @@
 """A step's inputs: planned on the host (StepPlan) and staged to the device in two copies."""
+import math
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -120,6 +122,59 @@ def draft_offsets(runs: list[tuple], num_rows: int) -> list[int] | None:
     return offsets
 
 
+class GraphLayout:
+    """Where a graphed step's inputs lie in the static staging area its CUDA graph reads
+    (CUDAGraphRunner; the graph's first kernel, kernels/graph_inputs.py, copies them into its
+    buffers), for a graph of batch_size sequences of q_len tokens and block tables of max_blocks
+    columns: header [4] int64 (the step's sequences, block-table width, pending tokens, 0),
+    input_ids [batch_size * q_len], pending [batch_size, 2], positions and slot_mapping [batch_size
+    * q_len] (int64), context_lens [batch_size] and block_tables [batch_size, max_blocks] (int32),
+    each 16-byte aligned from byte 0; a step fills the first rows of each."""
+    FIELDS = (("header", torch.int64), ("input_ids", torch.int64), ("pending", torch.int64), ("positions", torch.int64),
+              ("slot_mapping", torch.int64), ("context_lens", torch.int32), ("block_tables", torch.int32))
+
+    def __init__(self, batch_size: int, q_len: int, max_blocks: int):
+        tokens = batch_size * q_len
+        shapes = dict(header=(4,), input_ids=(tokens,), pending=(batch_size, 2), positions=(tokens,),
+                      slot_mapping=(tokens,), context_lens=(batch_size,), block_tables=(batch_size, max_blocks))
+        self.fields, offset = [], 0  # (name, dtype, shape, byte offset)
+        for name, dtype in self.FIELDS:
+            self.fields.append((name, dtype, shapes[name], offset))
+            offset += -(-math.prod(shapes[name]) * dtype.itemsize // 16) * 16
+        self.nbytes = offset
+
+    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each field, whole, as a view of buffer (uint8 from byte 0: the staging area)."""
+        return {name: buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                for name, dtype, shape, offset in self.fields}
+
+    def fill(self, host: np.ndarray, plan: StepPlan, pending: bool):
+        """Write plan's step into host (uint8, from byte 0) at the fields' places: the header and the
+        rows the step fills (its pending tokens only if `pending`; input_ids unless None: a
+        tensor-parallel worker's, which rank 0 broadcasts into the staging area)."""
+        n, width = plan.block_tables.shape
+        num_pending = len(plan.pending) if pending and plan.pending is not None else 0
+        values = dict(header=np.array([n, width, num_pending, 0]), input_ids=plan.input_ids,
+                      pending=plan.pending if num_pending else None, positions=plan.positions,
+                      slot_mapping=plan.slot_mapping, context_lens=plan.context_lens)
+        for name, dtype, shape, offset in self.fields:
+            field = host[offset:offset + math.prod(shape) * dtype.itemsize].view(_NUMPY[dtype])
+            if name == "block_tables":
+                field.reshape(shape)[:n, :width] = plan.block_tables
+            elif values[name] is not None:
+                field[:values[name].size] = values[name].ravel()
+
+    def step_views(self, buffer: torch.Tensor, plan: StepPlan, pending: bool) -> dict[str, torch.Tensor]:
+        """The fields as the step fills them (fill's rows, the block tables [n, width] of row stride
+        max_blocks), as views of buffer (uint8, from byte 0); pending only where it is in the graph."""
+        whole, (n, width) = self.views(buffer), plan.block_tables.shape
+        out = {name: whole[name][:len(plan.positions)] for name in ("input_ids", "positions", "slot_mapping")}
+        out.update(context_lens=whole["context_lens"][:n], block_tables=whole["block_tables"][:n, :width])
+        if pending and plan.pending is not None and len(plan.pending):
+            out["pending"] = whole["pending"][:len(plan.pending)]
+        return out
+
+
 class Stager:
     """Copies a step's host arrays to the device in one transfer. On CUDA they are packed into one
     of two pinned buffers, used in turn, and copied asynchronously; a buffer is refilled only after
@@ -133,13 +188,19 @@ class Stager:
             self.stream = torch.cuda.current_stream(device)  # Event.record() would look it up: ~30 us
             self._slots = [[torch.empty(0, dtype=torch.uint8), torch.cuda.Event()] for _ in range(2)]
 
-    def upload(self, arrays: list[np.ndarray], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
-        """The host arrays on the device, each as its dtype (values cast as numpy casts them)."""
+    def upload(self, arrays: list[np.ndarray], dtypes: list[torch.dtype], base: int = 0,
+               fill: Callable[[np.ndarray], None] | None = None,
+               dest: torch.Tensor | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The host arrays on the device, each as its dtype (values cast as numpy casts them), from
+        byte `base` of the transfer, whose first bytes fill(host bytes) writes; and the transfer's
+        bytes on the device (uint8): dest's first ones where given (a static buffer, which the
+        caller orders after its last reader), else a new tensor."""
         nbytes = [a.size * d.itemsize for a, d in zip(arrays, dtypes)]
-        starts = [0]
+        starts = [base]
         for n in nbytes:
             starts.append(starts[-1] + -(-n // 16) * 16)
         total = starts[-1]
+        assert dest is None or dest.numel() >= total, f"a step's inputs ({total} bytes) overflow their staging area"
         if self.device.type != "cuda":
             flat = torch.empty(total, dtype=torch.uint8)
             host = flat.numpy()
@@ -150,26 +211,42 @@ class Stager:
             if slot[0].numel() < total:  # grows during the start-up warm-up (the largest step), rarely later
                 slot[0] = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)
             host = slot[0].numpy()
+        if fill is not None:
+            fill(host)
         for a, d, start, n in zip(arrays, dtypes, starts, nbytes):
             host[start:start + n].view(_NUMPY[d])[:] = a.ravel()
         if self.device.type == "cuda":
-            flat = slot[0][:total].to(self.device, non_blocking=True)
+            source = slot[0][:total]
+            flat = source.to(self.device, non_blocking=True) if dest is None else dest[:total].copy_(source, non_blocking=True)
             slot[1].record(self.stream)
+        elif dest is not None:
+            flat = dest[:total].copy_(flat)
         typed = {d: flat.view(d) for d in set(dtypes)}  # then one slice an array: a step's host time is in torch calls
         out = [typed[d][start // d.itemsize:(start + n) // d.itemsize] for d, start, n in zip(dtypes, starts, nbytes)]
-        return [x if a.ndim == 1 else x.view(a.shape) for x, a in zip(out, arrays)]
+        return [x if a.ndim == 1 else x.view(a.shape) for x, a in zip(out, arrays)], flat
 
-    def upload_plan(self, plan: StepPlan, extra: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    def upload_plan(self, plan: StepPlan, extra: dict[str, np.ndarray], layout: GraphLayout | None = None,
+                    dest: torch.Tensor | None = None, pending_in_graph: bool = True) -> dict[str, torch.Tensor]:
         """Every non-empty array of the plan on the device, by field name (StepPlan.INT32 as int32,
         the rest int64; an empty one, such as prompt_rows in most steps, is left out: every use is
         behind a length check of the plan's), and those of `extra` (the attention backend's,
-        AttentionBackend.host_arrays) as int32, in the same transfer."""
+        AttentionBackend.host_arrays) as int32, in the same transfer. A step that replays a CUDA
+        graph: layout, the graph's GraphLayout, and dest, its staging area: the graph's inputs go
+        to their places there (pending ones only if pending_in_graph, else after them with the
+        rest), the other arrays after them."""
+        in_graph = () if layout is None else (("input_ids", "pending", "positions", "slot_mapping", "context_lens",
+                                                "block_tables") if pending_in_graph else
+                                               ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables"))
         arrays = {n: a for n in ("input_ids", "pending", "positions", "slot_mapping", "sample_rows", "prompt_rows",
                                  "prompt_targets", "block_copies", *StepPlan.INT32)
-                  if (a := getattr(plan, n)) is not None and a.size}
+                  if n not in in_graph and (a := getattr(plan, n)) is not None and a.size}
         dtypes = [torch.int32 if n in StepPlan.INT32 else torch.int64 for n in arrays] + [torch.int32] * len(extra)
         arrays |= extra
-        return dict(zip(arrays, self.upload(list(arrays.values()), dtypes)))
+        if layout is None:
+            return dict(zip(arrays, self.upload(list(arrays.values()), dtypes)[0]))
+        out, flat = self.upload(list(arrays.values()), dtypes, layout.nbytes,
+                                lambda host: layout.fill(host, plan, pending_in_graph), dest)
+        return dict(zip(arrays, out)) | layout.step_views(flat, plan, pending_in_graph)
 
 
 _NUMPY = {torch.int32: np.int32, torch.int64: np.int64}

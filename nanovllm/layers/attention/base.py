@@ -148,7 +148,7 @@ class AttentionBackend:
         """The static metadata of a step of batch_size sequences of q_len new tokens each (what a
         graph captures): a decode step for q_len 1, else a verify step (not is_decode). The graph's
         warm-up and first replay run on these values: for q_len > 1 each sequence's context is its
-        q_len tokens, as write_graph_inputs pads (a context of 0 would place the queries before
+        q_len tokens, as kernels/graph_inputs.py pads (a context of 0 would place the queries before
         position 0, where the prefill kernel's rotary table lookups read before the table)."""
         g, num_tokens = self.graph_meta, batch_size * q_len
         if q_len > 1:
