@@ -55,11 +55,16 @@ def test_graph_inputs_match_the_torch_copies(n, batch_size, width, num_pending, 
     plan = make_plan(n, width, num_pending, q_len, gen, n + 4)
     num_tokens = n * q_len
     tensors = Stager(torch.device(DEVICE)).upload_plan(plan, {}, layout, staging)
-    for name in ("input_ids", "pending", "positions", "slot_mapping", "context_lens", "block_tables", "sample_rows",
-                 "cu_seqlens_q"):  # where the engine reads them: the staging area
+    staged = layout.views(staging)
+    assert staged["header"][:3].tolist() == [n, width, num_pending]
+    for name, rows in (("input_ids", num_tokens), ("pending", num_pending), ("positions", num_tokens),
+                       ("slot_mapping", num_tokens), ("context_lens", n)):
+        assert np.array_equal(staged[name][:rows].cpu().numpy(), getattr(plan, name)), name
+    assert np.array_equal(staged["block_tables"][:n, :width].cpu().numpy(), plan.block_tables)
+    for name in ("input_ids", "pending", "sample_rows", "cu_seqlens_q"):  # what the engine reads back
         if name in tensors:
             assert np.array_equal(tensors[name].cpu().numpy(), getattr(plan, name)), name
-    assert ("pending" in tensors) == (num_pending > 0)
+    assert ("pending" in tensors) == (num_pending > 0) and "positions" not in tensors
 
     ids = torch.from_numpy(plan.input_ids).to(DEVICE)
     pending = torch.from_numpy(plan.pending).to(DEVICE)
@@ -74,7 +79,7 @@ def test_graph_inputs_match_the_torch_copies(n, batch_size, width, num_pending, 
     ref_meta.context_lens[:n] = torch.from_numpy(plan.context_lens)
     ref_meta.block_tables[:n, :width] = torch.from_numpy(plan.block_tables)
 
-    write_graph_inputs(layout.views(staging), sampled, graph_ids, graph_meta, PLACEHOLDER, q_len)
+    write_graph_inputs(staged, sampled, graph_ids, graph_meta, PLACEHOLDER, q_len)
     assert torch.equal(graph_ids, ref_ids)  # padding sequences' ids as they were
     assert (graph_ids[:num_tokens] != PLACEHOLDER).all()
     for name in ("positions", "slot_mapping", "context_lens", "block_tables"):

@@ -141,7 +141,8 @@ class GraphLayout:
         for name, dtype in self.FIELDS:
             self.fields.append((name, dtype, shapes[name], offset))
             offset += -(-math.prod(shapes[name]) * dtype.itemsize // 16) * 16
-        self.nbytes = offset
+        self.nbytes, self.max_blocks = offset, max_blocks
+        self._at = {name: offset // dtype.itemsize for name, dtype, _, offset in self.fields}  # in elements of its dtype
 
     def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each field, whole, as a view of buffer (uint8 from byte 0: the staging area)."""
@@ -149,29 +150,30 @@ class GraphLayout:
                 for name, dtype, shape, offset in self.fields}
 
     def fill(self, host: np.ndarray, plan: StepPlan, pending: bool):
-        """Write plan's step into host (uint8, from byte 0) at the fields' places: the header and the
-        rows the step fills (its pending tokens only if `pending`; input_ids unless None: a
-        tensor-parallel worker's, which rank 0 broadcasts into the staging area)."""
-        n, width = plan.block_tables.shape
+        """Write plan's step into host (uint8, from byte 0, a multiple of 8 bytes) at the fields'
+        places: the header and the rows the step fills (its pending tokens only if `pending`;
+        input_ids unless None: a tensor-parallel worker's, which rank 0 broadcasts into the staging
+        area). A step's host time is in such calls: one numpy view per dtype, one store a field."""
+        (n, width), at = plan.block_tables.shape, self._at
         num_pending = len(plan.pending) if pending and plan.pending is not None else 0
-        values = dict(header=np.array([n, width, num_pending, 0]), input_ids=plan.input_ids,
-                      pending=plan.pending if num_pending else None, positions=plan.positions,
-                      slot_mapping=plan.slot_mapping, context_lens=plan.context_lens)
-        for name, dtype, shape, offset in self.fields:
-            field = host[offset:offset + math.prod(shape) * dtype.itemsize].view(_NUMPY[dtype])
-            if name == "block_tables":
-                field.reshape(shape)[:n, :width] = plan.block_tables
-            elif values[name] is not None:
-                field[:values[name].size] = values[name].ravel()
+        h64, h32 = host.view(np.int64), host.view(np.int32)
+        h64[at["header"]:at["header"] + 3] = (n, width, num_pending)
+        for name, values in (("input_ids", plan.input_ids), ("positions", plan.positions),
+                             ("slot_mapping", plan.slot_mapping), ("pending", plan.pending if num_pending else None)):
+            if values is not None:
+                h64[at[name]:at[name] + values.size] = values.ravel()
+        h32[at["context_lens"]:at["context_lens"] + n] = plan.context_lens
+        rows = h32[at["block_tables"]:at["block_tables"] + n * self.max_blocks].reshape(n, self.max_blocks)
+        rows[:, :width] = plan.block_tables
 
     def step_views(self, buffer: torch.Tensor, plan: StepPlan, pending: bool) -> dict[str, torch.Tensor]:
-        """The fields as the step fills them (fill's rows, the block tables [n, width] of row stride
-        max_blocks), as views of buffer (uint8, from byte 0); pending only where it is in the graph."""
-        whole, (n, width) = self.views(buffer), plan.block_tables.shape
-        out = {name: whole[name][:len(plan.positions)] for name in ("input_ids", "positions", "slot_mapping")}
-        out.update(context_lens=whole["context_lens"][:n], block_tables=whole["block_tables"][:n, :width])
+        """What a graphed step reads back of its staged fields, as views of buffer (uint8, from byte 0):
+        input_ids (its n * q_len tokens: rank 0 may fill in pending ones, or broadcast them) and,
+        where the graph gathers them, pending [P, 2]."""
+        b64, at, num_tokens = buffer.view(torch.int64), self._at, len(plan.positions)
+        out = {"input_ids": b64[at["input_ids"]:at["input_ids"] + num_tokens]}
         if pending and plan.pending is not None and len(plan.pending):
-            out["pending"] = whole["pending"][:len(plan.pending)]
+            out["pending"] = b64[at["pending"]:at["pending"] + 2 * len(plan.pending)].view(-1, 2)
         return out
 
 
@@ -233,10 +235,10 @@ class Stager:
         AttentionBackend.host_arrays) as int32, in the same transfer. A step that replays a CUDA
         graph: layout, the graph's GraphLayout, and dest, its staging area: the graph's inputs go
         to their places there (pending ones only if pending_in_graph, else after them with the
-        rest), the other arrays after them."""
-        in_graph = () if layout is None else (("input_ids", "pending", "positions", "slot_mapping", "context_lens",
-                                                "block_tables") if pending_in_graph else
-                                               ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables"))
+        rest), the other arrays after them; of the graph's inputs only GraphLayout.step_views' are
+        returned."""
+        in_graph = () if layout is None else (("input_ids", "positions", "slot_mapping", "context_lens", "block_tables")
+                                              + (("pending",) if pending_in_graph else ()))
         arrays = {n: a for n in ("input_ids", "pending", "positions", "slot_mapping", "sample_rows", "prompt_rows",
                                  "prompt_targets", "block_copies", *StepPlan.INT32)
                   if n not in in_graph and (a := getattr(plan, n)) is not None and a.size}
