@@ -62,8 +62,11 @@ class CUDAGraphRunner:
         # then what a graphed step uploads after its layout's fields: sample rows and cu_seqlens_q
         # (under 2 int64 a token), block copies (2 a sequence), the LoRA mapping (int32, its tiles
         # padded to the graphs')
-        rest = 16 * (2 * num_tokens + 3 * max_seqs + 8) + (4 * (3 * lora.graph_tiles + num_tokens) + 16 if lora else 0)
-        self.staging = torch.zeros(max(x.nbytes for x in self.layouts.values()) + rest, dtype=torch.uint8, device=device)
+        rest = 16 * (2 * num_tokens + 3 * max_seqs + 8)
+        if lora is not None:
+            rest += 4 * (3 * lora.graph_tiles + num_tokens) + 16
+        self.staging = torch.zeros(max(x.nbytes for x in self.layouts.values()) + rest, dtype=torch.uint8,
+                                   device=device)
         # the last step's sampled tokens, where a graph gathers its pending ones (sampled rows: a step's drafts add theirs)
         self.sampled = torch.zeros(max_seqs + max_tokens, dtype=torch.int64, device=device)
 

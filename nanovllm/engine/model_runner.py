@@ -236,7 +236,8 @@ class ModelRunner:
         graph = self.graph_runner.graph_for(plan) if self.graph_runner else None
         if graph is not None and self.graph_runner.chain_tokens.size(0) == steps:
             self.stager.upload_plan(plan, {}, *self.graph_runner.staging_for(graph))
-            tokens = self.graph_runner.replay_chain(graph[0], len(seqs), self._prev_sampled if len(plan.pending) else None)
+            tokens = self.graph_runner.replay_chain(graph[0], len(seqs),
+                                                    self._prev_sampled if len(plan.pending) else None)
         else:
             tensors = self.stager.upload_plan(plan, {})
             meta = self.backend.build_metadata(plan, tensors)

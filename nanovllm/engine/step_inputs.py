@@ -130,8 +130,9 @@ class GraphLayout:
     input_ids [batch_size * q_len], pending [batch_size, 2], positions and slot_mapping [batch_size
     * q_len] (int64), context_lens [batch_size] and block_tables [batch_size, max_blocks] (int32),
     each 16-byte aligned from byte 0; a step fills the first rows of each."""
-    FIELDS = (("header", torch.int64), ("input_ids", torch.int64), ("pending", torch.int64), ("positions", torch.int64),
-              ("slot_mapping", torch.int64), ("context_lens", torch.int32), ("block_tables", torch.int32))
+    FIELDS = (("header", torch.int64), ("input_ids", torch.int64), ("pending", torch.int64),
+              ("positions", torch.int64), ("slot_mapping", torch.int64), ("context_lens", torch.int32),
+              ("block_tables", torch.int32))
 
     def __init__(self, batch_size: int, q_len: int, max_blocks: int):
         tokens = batch_size * q_len
@@ -192,11 +193,11 @@ class Stager:
 
     def upload(self, arrays: list[np.ndarray], dtypes: list[torch.dtype], base: int = 0,
                fill: Callable[[np.ndarray], None] | None = None,
-               dest: torch.Tensor | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+               dest: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The host arrays on the device, each as its dtype (values cast as numpy casts them), from
-        byte `base` of the transfer, whose first bytes fill(host bytes) writes; and the transfer's
-        bytes on the device (uint8): dest's first ones where given (a static buffer, which the
-        caller orders after its last reader), else a new tensor."""
+        byte `base` of the transfer, whose first bytes fill(host bytes) writes. The transfer goes
+        to dest's first bytes where given (uint8: a static buffer, which the caller orders after its
+        last reader), else to a new tensor."""
         nbytes = [a.size * d.itemsize for a, d in zip(arrays, dtypes)]
         starts = [base]
         for n in nbytes:
@@ -219,13 +220,16 @@ class Stager:
             host[start:start + n].view(_NUMPY[d])[:] = a.ravel()
         if self.device.type == "cuda":
             source = slot[0][:total]
-            flat = source.to(self.device, non_blocking=True) if dest is None else dest[:total].copy_(source, non_blocking=True)
+            if dest is None:
+                flat = source.to(self.device, non_blocking=True)
+            else:
+                flat = dest[:total].copy_(source, non_blocking=True)
             slot[1].record(self.stream)
         elif dest is not None:
             flat = dest[:total].copy_(flat)
         typed = {d: flat.view(d) for d in set(dtypes)}  # then one slice an array: a step's host time is in torch calls
         out = [typed[d][start // d.itemsize:(start + n) // d.itemsize] for d, start, n in zip(dtypes, starts, nbytes)]
-        return [x if a.ndim == 1 else x.view(a.shape) for x, a in zip(out, arrays)], flat
+        return [x if a.ndim == 1 else x.view(a.shape) for x, a in zip(out, arrays)]
 
     def upload_plan(self, plan: StepPlan, extra: dict[str, np.ndarray], layout: GraphLayout | None = None,
                     dest: torch.Tensor | None = None, pending_in_graph: bool = True) -> dict[str, torch.Tensor]:
@@ -245,10 +249,10 @@ class Stager:
         dtypes = [torch.int32 if n in StepPlan.INT32 else torch.int64 for n in arrays] + [torch.int32] * len(extra)
         arrays |= extra
         if layout is None:
-            return dict(zip(arrays, self.upload(list(arrays.values()), dtypes)[0]))
-        out, flat = self.upload(list(arrays.values()), dtypes, layout.nbytes,
-                                lambda host: layout.fill(host, plan, pending_in_graph), dest)
-        return dict(zip(arrays, out)) | layout.step_views(flat, plan, pending_in_graph)
+            return dict(zip(arrays, self.upload(list(arrays.values()), dtypes)))
+        out = self.upload(list(arrays.values()), dtypes, layout.nbytes,
+                          lambda host: layout.fill(host, plan, pending_in_graph), dest)
+        return dict(zip(arrays, out)) | layout.step_views(dest, plan, pending_in_graph)
 
 
 _NUMPY = {torch.int32: np.int32, torch.int64: np.int64}
