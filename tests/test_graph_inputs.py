@@ -103,3 +103,66 @@ def test_a_staging_area_too_small_is_refused():
     layout, plan = GraphLayout(4, 1, 8), make_plan(3, 5, 0, 1, gen, 7)
     with pytest.raises(AssertionError, match="overflow their staging area"):
         Stager(torch.device(DEVICE)).upload_plan(plan, {}, layout, torch.zeros(layout.nbytes, dtype=torch.uint8))
+
+
+def test_graphed_steps_through_a_stand_in_for_cuda_graphs(tiny_qwen3, monkeypatch):
+    """The engine's graph path on CPU, each CUDA graph stood in for by the calls its capture made,
+    run again at each replay on the same tensors (the static buffers and the staging area, as a
+    graph's kernels keep their pointers): the staging, the graphs' own input kernel and the pending
+    tokens' gather, in decode steps and in verify steps of n-gram drafts (Triton's interpreter),
+    give the eager engine's greedy tokens."""
+    import contextlib
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.engine import cuda_graphs
+    from nanovllm.engine.cuda_graphs import CUDAGraphRunner
+    from tests.conftest import random_prompts
+
+    class StandIn:
+        def __init__(self):
+            self.calls = []
+
+        def pool(self):
+            return None
+
+        def replay(self):
+            for call in self.calls:
+                call()
+
+    capturing, forward = [], CUDAGraphRunner._forward
+
+    @contextlib.contextmanager
+    def graph(stand_in, pool=None):
+        capturing.append(stand_in)
+        yield
+        capturing.pop()
+
+    def recorded(self, *args):
+        if capturing:
+            capturing[-1].calls.append(lambda: forward(self, *args))
+        forward(self, *args)
+
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "CUDAGraph", StandIn)
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "graph", graph)
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(CUDAGraphRunner, "_forward", recorded)
+    path, _ = tiny_qwen3
+    motif = random_prompts([6], seed=8)[0]
+    prompts = [motif * 4, *random_prompts([9, 21], seed=9), motif * 3 + [5]]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    args = dict(device="cpu", kvcache_block_size=16, attention_backend="triton", max_num_seqs=4, max_model_len=128)
+    expected = [o.outputs[0].token_ids for o in LLM(path, **args).generate(prompts, params, use_tqdm=False)]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    for spec in (None, ngram):
+        llm = LLM(path, **args, speculative_config=spec)
+        r = llm.engine.model_runner
+        r.graph_runner = runner = CUDAGraphRunner(r.model, r.backend, r.config, r.max_blocks_per_seq,
+                                                  r.hf_config.hidden_size, r.model.lm_head.logits_width, r.dtype,
+                                                  r.device, {})
+        runner.capture()
+        if spec:  # as the engine sets it up where the runner has graphs: every decoding row takes k drafts
+            llm.engine.speculator.uniform = True
+        replayed, replay = [], runner.replay
+        runner.replay = lambda key, *a: replayed.append(key) or replay(key, *a)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == expected, spec
+        assert any(q == 1 for _, q in replayed) and (spec is None or any(q == 4 for _, q in replayed)), replayed
