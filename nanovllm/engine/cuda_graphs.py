@@ -3,12 +3,12 @@ for any step of at most that many sequences with q_len new tokens each (q_len 1:
 1 + k: verifying k draft tokens per sequence). The attention backend owns the static metadata the
 graphs read (init_graph_state, graph_metadata); this module owns the token ids in, the hidden
 states and this rank's logits out (the LM head inside the graph costs the host no launch: ~0.1 ms
-a step at one sequence, docs/perf-log.md, 2026-11-24), and writes a step's ids and
-metadata into the static buffers as the graph's first kernel (graph_inputs.py), from the step's
-upload into a static staging area (step_inputs.GraphLayout), so a step launches its upload and its
-graph and nothing else. With LoRA
-adapters each (batch size, q_len) has graphs by the kinds of layers whose deltas they compute (none, some
-for small batches, all: LoRAContext.graph_variants), on the LoRA context's static mapping."""
+a step at one sequence, docs/perf-log.md, 2026-11-24). A step's ids and metadata reach the static
+buffers through a static staging area (step_inputs.GraphLayout), which the step's upload fills
+and the graph's first kernel (graph_inputs.py) reads: a step launches its upload and its graph
+(and, with pending tokens, a copy of the last sampled ones). With LoRA adapters each (batch size,
+q_len) has graphs by the kinds of layers whose deltas they compute (none, some for small batches,
+all: LoRAContext.graph_variants), on the LoRA context's static mapping."""
 import torch
 
 from nanovllm.config import Config
