@@ -12,6 +12,7 @@ from nanovllm.engine.step_inputs import GraphLayout, Stager, StepPlan  # noqa: E
 from nanovllm.kernels.graph_inputs import write_graph_inputs  # noqa: E402
 from nanovllm.layers.attention.base import AttentionMetadata  # noqa: E402
 from nanovllm.sequence import PLACEHOLDER  # noqa: E402
+from tests.conftest import needs_interpreter, random_prompts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -105,6 +106,7 @@ def test_a_staging_area_too_small_is_refused():
         Stager(torch.device(DEVICE)).upload_plan(plan, {}, layout, torch.zeros(layout.nbytes, dtype=torch.uint8))
 
 
+@needs_interpreter
 def test_graphed_steps_through_a_stand_in_for_cuda_graphs(tiny_qwen3, monkeypatch):
     """The engine's graph path on CPU, each CUDA graph stood in for by the calls its capture made,
     run again at each replay on the same tensors (the static buffers and the staging area, as a
@@ -115,7 +117,6 @@ def test_graphed_steps_through_a_stand_in_for_cuda_graphs(tiny_qwen3, monkeypatc
     from nanovllm import LLM, SamplingParams
     from nanovllm.engine import cuda_graphs
     from nanovllm.engine.cuda_graphs import CUDAGraphRunner
-    from tests.conftest import random_prompts
 
     class StandIn:
         def __init__(self):
