@@ -166,12 +166,13 @@ class SamplingParams:
     # vLLM's, for what nanovllm does not do: validate() raises NotImplementedError when one is used
     best_of: int | None = field(default=None, repr=False, compare=False)
     use_beam_search: bool = field(default=False, repr=False, compare=False)
-    # derived by validate(): `stop` as a tuple, whether a penalty applies, and whether anything but
+    # derived by validate(): `stop` as a tuple and what a stream holds back of the text, whether a penalty applies, and whether anything but
     # temperature and the filters may shape the logits (penalties, logit_bias, banned or allowed
     # tokens, min_tokens, extra_args for a custom processor, structured_outputs): the logits
     # processors look only at those; and whether speculative drafts may be verified (none of the
     # processors whose state follows one sampled row per sequence: structured outputs may)
     stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
+    output_text_buffer_length: int = field(init=False, repr=False, compare=False, default=0)
     has_penalties: bool = field(init=False, repr=False, compare=False, default=False)
     needs_processing: bool = field(init=False, repr=False, compare=False, default=False)
     takes_drafts: bool = field(init=False, repr=False, compare=False, default=True)
@@ -201,7 +202,9 @@ class SamplingParams:
             _int(self, "seed", -2**63, 2**64 - 1)
         if self.max_tokens is not None:
             _int(self, "max_tokens", 1)
-        _int(self, "min_tokens", 0, self.max_tokens)
+        if self.max_tokens is not None and isinstance(self.min_tokens, Integral) and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
+        _int(self, "min_tokens", 0)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _int(self, name, 0)
@@ -218,6 +221,8 @@ class SamplingParams:
         if stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (they are found in the text)")
         self.stop_strings = tuple(stop)
+        # vLLM's: the characters a stream holds back, where a stop string may yet complete and be cut
+        self.output_text_buffer_length = max(map(len, stop)) - 1 if stop and not self.include_stop_str_in_output else 0
         for name in ("stop_token_ids", "allowed_token_ids"):
             ids = getattr(self, name)
             if ids is not None and (not isinstance(ids, (list, tuple, set)) or not all(_is_id(t) for t in ids)):

@@ -78,3 +78,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
+    @property
+    def num_known_tokens(self) -> int:
+        """The tokens whose values are on the host: all but the trailing PLACEHOLDERs (sampled by
+        launched steps, not read back yet; a verify run's: one per position)."""
+        end = len(self.token_ids)
+        while end > self.num_prompt_tokens and self.token_ids[end - 1] == PLACEHOLDER:
+            end -= 1
+        return end
+

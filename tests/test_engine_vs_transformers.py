@@ -82,6 +82,19 @@ def test_prefix_cache_hits(tiny_any_model):
     assert check_against_hf(llm, hf_model, prompts[:1])[0].num_cached_tokens == 0
 
 
+@pytest.mark.parametrize("max_tokens", [1, 2])
+def test_a_request_that_ends_at_once_leaves_its_prompt_cached(tiny_qwen3, max_tokens):
+    """A request of one or two tokens (a classification's) ends before any step after its prompt's
+    is read back; its prompt's full blocks still go to the prefix cache, and the next request with
+    the same prefix finds them (and its tokens are transformers')."""
+    path, hf_model = tiny_qwen3
+    llm = LLM(path, kvcache_block_size=16, device="cpu")
+    shared = random_prompts([40], seed=12)[0]
+    first = check_against_hf(llm, hf_model, [shared + [1]], max_tokens)
+    second = check_against_hf(llm, hf_model, [shared + [2]], max_tokens)
+    assert (first[0].num_cached_tokens, second[0].num_cached_tokens) == (0, 32)
+
+
 def test_preemption(tiny_model):
     path, hf_model = tiny_model
     # 8 blocks of 16 tokens: each sequence needs up to 7 blocks, so running them together preempts

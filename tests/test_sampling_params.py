@@ -325,6 +325,35 @@ def test_stop_strings_cut_the_text(demo):
         assert demo.tokenizer.decode(out.token_ids).startswith(text[:text.index(stop) + len(stop)])
 
 
+def test_streams_never_take_text_back_and_finish_once(demo):
+    """LLMEngine.step's CUMULATIVE and DELTA outputs with a stop string that spans several tokens:
+    each cumulative text a prefix of the final one, the deltas adding up to it (the last few
+    characters, where a stop string may yet complete, held back until then), and finish_reason set
+    in the last output only, as vLLM's (a request that reaches max_tokens ends when its last
+    step is launched, one output before that token is read back)."""
+    messages = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
+    ids = demo.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(getattr(ids, "input_ids", ids))
+    text = demo.generate([ids], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0].text
+    stop = text[text.index("5"):text.index("5") + 4]  # e.g. "5, 6": spans several tokens
+    cases = [(dict(stop=[stop]), "stop", text[:text.index(stop)]), (dict(max_tokens=6), "length", None)]
+    for extra, reason, final in cases:
+        for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+            engine = demo.llm_engine
+            engine.add_request("s", ids, SamplingParams(**{"temperature": 0, "max_tokens": 40, **extra},
+                                                        output_kind=kind))
+            outs = []
+            while engine.has_unfinished_requests():
+                outs += [out.outputs[0] for out in engine.step()]
+            texts = [o.text for o in outs]
+            whole = texts[-1] if kind == RequestOutputKind.CUMULATIVE else "".join(texts)
+            assert whole == (final if final is not None else demo.tokenizer.decode(
+                sum((o.token_ids for o in outs), []) if kind == RequestOutputKind.DELTA else outs[-1].token_ids))
+            if kind == RequestOutputKind.CUMULATIVE:
+                assert all(whole.startswith(t) for t in texts), (extra, texts)
+            assert [o.finish_reason for o in outs] == [None] * (len(outs) - 1) + [reason], (extra, kind)
+
+
 def test_stop_token_text_is_left_out_unless_asked_for(demo):
     """As vLLM's detokenizer: a completion ended by one of stop_token_ids, or by EOS, keeps the
     token in token_ids but not its text in text, unless include_stop_str_in_output."""

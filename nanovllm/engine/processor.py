@@ -89,6 +89,9 @@ class Processor:
         self._check_lora(lora_request)
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt and "prompt" not in prompt:
+                raise ValueError(f"a prompt dict needs \"prompt\" (text) or \"prompt_token_ids\", got keys "
+                                 f"{sorted(prompt)}")
             prompt = prompt.get("prompt_token_ids", text)
         ids = self._token_ids(prompt, params.truncate_prompt_tokens)
         if self.tokenizer is None and (params.stop_strings or params.bad_words):
@@ -202,13 +205,14 @@ class Processor:
                              completions, request.finished, request.seqs[0].num_cached_tokens, request.lora_request)
 
     def _completion(self, seq: Sequence, delta: bool) -> CompletionOutput:
-        end = len(seq.token_ids)
-        while end > seq.num_prompt_tokens and seq.token_ids[end - 1] == PLACEHOLDER:
-            end -= 1  # sampled tokens not read back yet (a verify run's: one per position)
+        end = seq.num_known_tokens
         known = seq.token_ids[seq.num_prompt_tokens:end]
         params, start = seq.sampling_params, seq.num_reported_tokens if delta else 0
+        done = seq.is_finished and end == len(seq.token_ids)  # ended, and its last token read back
         if seq.detokenizer is not None:
             text = seq.detokenizer.text
+            if not done and params.output_text_buffer_length:  # a stop string may yet complete there and go
+                text = text[:max(len(text) - params.output_text_buffer_length, seq.num_reported_chars)]
         elif params.detokenize and self.tokenizer is not None:
             # ended by EOS or a stop id (not by a stop string, nor after its grammar's last token)
             by_token = seq.finish_reason == "stop" and (isinstance(seq.stop_reason, int) or (
@@ -225,7 +229,7 @@ class Processor:
         logprobs = None if seq.logprobs is None else self._logprobs(seq.logprobs, start, len(known), params.logprobs,
                                                                     params)
         return CompletionOutput(seq.index, text, known[start:], seq.cumulative_logprob if logprobs is not None else None,
-                                logprobs, seq.finish_reason, seq.stop_reason)
+                                logprobs, seq.finish_reason if done else None, seq.stop_reason if done else None)
 
     def _logprobs(self, positions: list, start: int, end: int, k: int, params: SamplingParams) -> list | FlatLogprobs:
         """positions[start:end] as vLLM's logprobs, a new list of {token id: Logprob} (the token and
