@@ -7,6 +7,7 @@ the result and never re-derives any of it.
 """
 import importlib.util
 import logging
+import random
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -55,6 +56,7 @@ class Config(EngineArgs):
                         quantization=_resolve_quantization(args.quantization, hf_config, device),
                         attention_backend=backend, max_model_len=_resolve_max_model_len(args.max_model_len, hf_config),
                         max_cpu_loras=args.max_cpu_loras or args.max_loras,
+                        seed=random.SystemRandom().getrandbits(31) if args.seed is None else args.seed,
                         speculative_config=args.speculative_config and SpeculativeConfig.from_dict(args.speculative_config),
                         structured_outputs_config={"backend": _resolve_grammar_backend(args.structured_outputs_config)})
         return cls(**{f.name: getattr(args, f.name) for f in fields(EngineArgs)} | resolved, hf_config=hf_config,

@@ -86,8 +86,28 @@ class SpeculativeConfig:
         return cls(**spec)
 
 
+# vLLM engine arguments that nanovllm does not take, and why (named in the TypeError)
+VLLM_ONLY_ARGS = {
+    "enable_chunked_prefill": "prefill is always chunked, to max_num_batched_tokens a step",
+    "swap_space": "a preempted sequence is recomputed, never swapped to the CPU",
+    "cpu_offload_gb": "weights stay on the GPU",
+    "tokenizer": "the model's own tokenizer is used (a .gguf file's own, from its metadata)",
+    "tokenizer_mode": "the model's own tokenizer is used (a .gguf file's own, from its metadata)",
+    "revision": "a hub model is fetched at its default revision; pass a local directory for another",
+    "download_dir": "hub models go to Hugging Face's cache (HF_HOME)",
+    "hf_overrides": "the model's config.json is read as it is",
+    "compilation_config": "there is no torch.compile; decode steps run in CUDA graphs unless enforce_eager",
+    "max_seq_len_to_capture": "CUDA graphs serve decode steps at any context length",
+    "disable_log_stats": "the engine logs no statistics; get_metrics() returns them",
+    "scheduling_policy": "requests are scheduled first come, first served",
+}
+
+
 def _positive_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+_DEFAULT_BLOCK_SIZE = 256
 
 
 @dataclass
@@ -100,7 +120,8 @@ class EngineArgs:
     max_num_seqs: most sequences in one step. max_num_batched_tokens: most tokens in one step
     (longer prompts are prefilled in chunks). max_model_len: most tokens (prompt + completion) per
     sequence; default the model's max_position_embeddings. gpu_memory_utilization: fraction of GPU
-    memory the engine may use (weights, activations, KV cache). kvcache_block_size: tokens per KV block.
+    memory the engine may use (weights, activations, KV cache). kvcache_block_size (or vLLM's name,
+    block_size): tokens per KV block.
     num_kvcache_blocks: KV pool size, overriding the memory-based sizing. cpu_kvcache_space_gib: KV
     pool size on CPU (as vLLM's VLLM_CPU_KVCACHE_SPACE). enforce_eager: no CUDA graphs.
     dtype: "auto" (the checkpoint's bf16/fp16 on GPU, float32 on CPU), "bfloat16", "float16", "float32".
@@ -111,7 +132,7 @@ class EngineArgs:
     "auto" (CUDA when available), "cuda", "cpu".
     load_format: "auto", "safetensors", "gguf", "dummy" (random weights). attention_backend: "auto"
     (Triton on CUDA, torch otherwise), "triton", "torch". seed: seeds dummy weights and unseeded
-    sampling. tensor_parallel_size: GPUs (or CPU processes) one model is split across.
+    sampling (None: a random seed, so unseeded requests differ from run to run). tensor_parallel_size: GPUs (or CPU processes) one model is split across.
     enable_expert_parallel: with tensor_parallel_size > 1, a mixture-of-experts layer's experts are
     placed whole on the ranks (num_experts / tensor_parallel_size each) rather than each expert's
     intermediate dimension split over them (vLLM's name); attention and dense layers stay split.
@@ -144,7 +165,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 16384
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
-    kvcache_block_size: int = 256
+    kvcache_block_size: int = _DEFAULT_BLOCK_SIZE
     num_kvcache_blocks: int | None = None
     cpu_kvcache_space_gib: float = 4.0
     enable_prefix_caching: bool = True
@@ -155,7 +176,7 @@ class EngineArgs:
     device: str | torch.device = "auto"
     load_format: str = "auto"
     attention_backend: str = "auto"
-    seed: int = 0
+    seed: int | None = 0
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     data_parallel_size: int = 1
@@ -170,6 +191,25 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     speculative_config: dict | SpeculativeConfig | None = None
     structured_outputs_config: dict | None = None
+    block_size: int | None = None
+
+    def __post_init__(self):
+        if self.block_size is not None:  # vLLM's name for kvcache_block_size
+            if self.kvcache_block_size not in (self.block_size, _DEFAULT_BLOCK_SIZE):
+                raise ValueError(f"block_size={self.block_size} and kvcache_block_size={self.kvcache_block_size} "
+                                 f"are two names for one argument: set one")
+            self.kvcache_block_size = self.block_size
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
+        """EngineArgs(model, **kwargs), LLM(model, **kwargs)'s; raises TypeError for a name it does
+        not take, saying why for vLLM's arguments that nanovllm has no use for (VLLM_ONLY_ARGS)."""
+        names = {f.name for f in fields(cls)}
+        for name in kwargs:
+            if name not in names:
+                why = f": {VLLM_ONLY_ARGS[name]}" if name in VLLM_ONLY_ARGS else ""
+                raise TypeError(f"nanovllm takes no engine argument {name!r}{why}")
+        return cls(model, **kwargs)
 
     def validate(self):
         """Raise ValueError naming the first argument that is wrong and what it allows (what needs
@@ -185,8 +225,8 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {self.max_logprobs!r}")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer or None (a random one), got {self.seed!r}")
         for name in ("trust_remote_code", "enable_lora", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

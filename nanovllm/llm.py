@@ -22,7 +22,7 @@ class LLM:
     several threads are served one after another."""
 
     def __init__(self, model: str, **engine_args):
-        self.config = Config.create(EngineArgs(model, **engine_args))
+        self.config = Config.create(EngineArgs.from_kwargs(model, **engine_args))
         check_model(self.config)
         if self.config.distributed_executor_backend == "ray":
             from nanovllm.executor.ray_replicas import RayDataParallelEngine
@@ -55,15 +55,17 @@ class LLM:
         generation_config="vllm"."""
         return SamplingParams(**self.config.generation_defaults)
 
-    def generate(self, prompts=None, sampling_params=None, use_tqdm: bool = True, *,
+    def generate(self, prompts=None, sampling_params=None, use_tqdm: bool = True,
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None,
-                 prompt_token_ids=None) -> list[RequestOutput]:
+                 priority: list[int] | None = None, *, prompt_token_ids=None) -> list[RequestOutput]:
         """Complete every prompt (strings, token-id lists, or {"prompt_token_ids": ...} dicts) with its
         SamplingParams (one for all, or one per prompt; None: get_default_sampling_params()) and
         its LoRA adapter (lora_request: one for all, or one per prompt, None for the base model;
         the engine needs enable_lora=True). Returns one finished RequestOutput per prompt, in input
         order. prompt_token_ids: vLLM's former keyword, the prompts as one token-id list or a list
-        of them (instead of prompts).
+        of them (instead of prompts). priority: vLLM's, for its priority scheduling; requests here
+        run first come, first served, so only None or zeros are taken (ValueError otherwise, as
+        vLLM's without scheduling_policy="priority").
 
         Raises ValueError("request i: ...") before any work if any request is invalid; then none of
         the call's requests run (the whole call is refused, so a batch never half-runs); TypeError
@@ -76,6 +78,9 @@ class LLM:
                                  "\"prompt_token_ids\": ids} dict gives both)")
             one = prompt_token_ids and all(isinstance(t, int) for t in prompt_token_ids)
             prompts = [prompt_token_ids] if one else prompt_token_ids
+        if priority is not None and any(priority):
+            raise ValueError(f"got priority {priority}, but requests are scheduled first come, first served "
+                             f"(there is no priority scheduling)")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         processor = self.engine.processor

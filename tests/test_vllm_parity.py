@@ -134,6 +134,36 @@ def test_engine_args_are_checked_by_name(tiny_qwen3):
         EngineArgs(model=tiny_qwen3[0], hf_config=None)
     with pytest.raises(ValueError, match="max_num_seqs must be a positive integer"):
         LLMEngine.from_engine_args(EngineArgs(model=tiny_qwen3[0], max_num_seqs=0, **ARGS))
+    with pytest.raises(TypeError, match="no engine argument 'swap_space': a preempted sequence is recomputed"):
+        LLM(tiny_qwen3[0], swap_space=4, **ARGS)
+    with pytest.raises(TypeError, match="no engine argument 'enable_chunked_prefill': prefill is always chunked"):
+        LLMEngine.from_engine_args(tiny_qwen3[0], enable_chunked_prefill=True)
+    with pytest.raises(ValueError, match="block_size=16 and kvcache_block_size=32 are two names for one argument"):
+        EngineArgs(model=tiny_qwen3[0], block_size=16, kvcache_block_size=32)
+
+
+def test_generate_takes_vllm_positional_arguments_and_priority(llm):
+    """generate(prompts, params, use_tqdm, lora_request, priority) positionally, as vLLM's; priority
+    only as zeros (first come, first served); the engine's tokenizer as vLLM's LLMEngine gives it."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    out = llm.generate([[1, 2, 3]], params, False, None, [0])
+    assert len(out[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match=r"got priority \[1\], but requests are scheduled first come, first served"):
+        llm.generate([[1, 2, 3]], params, False, None, [1])
+    assert llm.llm_engine.get_tokenizer() is llm.llm_engine.tokenizer is llm.get_tokenizer()
+
+
+def test_vllm_names_block_size_and_seed_none(tiny_qwen3):
+    """block_size, vLLM's name for kvcache_block_size; seed=None, a random engine seed: unseeded
+    samples differ between two engines, where the default seed 0 repeats them."""
+    args = {k: v for k, v in ARGS.items() if k != "kvcache_block_size"}
+    prompt, params = random_prompts([6], seed=45)[0], SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    runs = {}
+    for seed in (None, 0):
+        llms = [LLM(tiny_qwen3[0], block_size=32, seed=seed, **args) for _ in range(2)]
+        assert all(llm.config.kvcache_block_size == 32 and isinstance(llm.config.seed, int) for llm in llms)
+        runs[seed] = [llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids for llm in llms]
+    assert runs[0][0] == runs[0][1] and runs[None][0] != runs[None][1]
 
 
 def test_gpu_memory_utilization_on_the_cpu_warns_once(tiny_qwen3, caplog):

@@ -36,6 +36,14 @@ class EngineBase(ABC):
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; False while requests hold blocks."""
 
+    @property
+    def tokenizer(self):
+        """The model's Hugging Face tokenizer, or None (vLLM's LLMEngine.tokenizer)."""
+        return self.config.tokenizer
+
+    def get_tokenizer(self):
+        return self.config.tokenizer
+
     def get_metrics(self) -> list:
         """The engine's metric records (engine/spec_decode/metrics.py); none by default."""
         return []
