@@ -132,7 +132,8 @@ class EngineArgs:
     "auto" (CUDA when available), "cuda", "cpu".
     load_format: "auto", "safetensors", "gguf", "dummy" (random weights). attention_backend: "auto"
     (Triton on CUDA, torch otherwise), "triton", "torch". seed: seeds dummy weights and unseeded
-    sampling (None: a random seed, so unseeded requests differ from run to run). tensor_parallel_size: GPUs (or CPU processes) one model is split across.
+    sampling (None: a random seed, so unseeded requests differ from run to run).
+    tensor_parallel_size: GPUs (or CPU processes) one model is split across.
     enable_expert_parallel: with tensor_parallel_size > 1, a mixture-of-experts layer's experts are
     placed whole on the ranks (num_experts / tensor_parallel_size each) rather than each expert's
     intermediate dimension split over them (vLLM's name); attention and dense layers stay split.

@@ -166,11 +166,12 @@ class SamplingParams:
     # vLLM's, for what nanovllm does not do: validate() raises NotImplementedError when one is used
     best_of: int | None = field(default=None, repr=False, compare=False)
     use_beam_search: bool = field(default=False, repr=False, compare=False)
-    # derived by validate(): `stop` as a tuple and what a stream holds back of the text, whether a penalty applies, and whether anything but
-    # temperature and the filters may shape the logits (penalties, logit_bias, banned or allowed
-    # tokens, min_tokens, extra_args for a custom processor, structured_outputs): the logits
-    # processors look only at those; and whether speculative drafts may be verified (none of the
-    # processors whose state follows one sampled row per sequence: structured outputs may)
+    # derived by validate(): `stop` as a tuple and what a stream holds back of the text, whether a
+    # penalty applies, and whether anything but temperature and the filters may shape the logits
+    # (penalties, logit_bias, banned or allowed tokens, min_tokens, extra_args for a custom
+    # processor, structured_outputs): the logits processors look only at those; and whether
+    # speculative drafts may be verified (none of the processors whose state follows one sampled
+    # row per sequence: structured outputs may)
     stop_strings: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
     output_text_buffer_length: int = field(init=False, repr=False, compare=False, default=0)
     has_penalties: bool = field(init=False, repr=False, compare=False, default=False)

@@ -26,7 +26,10 @@ class LLMEngine(EngineCore):
     def from_engine_args(cls, engine_args: EngineArgs | str, **changes) -> "LLMEngine":
         """An engine of `engine_args` (vLLM's call), with `changes` to its fields; or of a model
         path or hub id and the engine arguments as keywords: from_engine_args(model, **engine_args)."""
-        args = EngineArgs.from_kwargs(engine_args, **changes) if isinstance(engine_args, str) else replace(engine_args, **changes)
+        if isinstance(engine_args, str):
+            args = EngineArgs.from_kwargs(engine_args, **changes)
+        else:
+            args = replace(engine_args, **changes)
         return cls(Config.create(args))
 
 
