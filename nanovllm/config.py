@@ -43,7 +43,8 @@ class Config(EngineArgs):
         hf_config = read_hf_config(path, load_format, args.trust_remote_code)
         device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                               else "cpu" if args.device == "auto" else args.device)
-        tok = load_tokenizer(path, load_format, hf_config, args.trust_remote_code) if with_tokenizer else None
+        tok = load_tokenizer(path, load_format, hf_config, args.trust_remote_code, args.tokenizer) \
+            if with_tokenizer else None
         dtype = _resolve_dtype(args.dtype, device, hf_config)
         backend = _resolve_backend(args.attention_backend, device, _head_dim(hf_config))
         if device.type == "cpu" and args.gpu_memory_utilization != _default("gpu_memory_utilization"):
@@ -56,11 +57,11 @@ class Config(EngineArgs):
                         quantization=_resolve_quantization(args.quantization, hf_config, device),
                         attention_backend=backend, max_model_len=_resolve_max_model_len(args.max_model_len, hf_config),
                         max_cpu_loras=args.max_cpu_loras or args.max_loras,
-                        seed=random.SystemRandom().getrandbits(31) if args.seed is None else args.seed,
+                        seed=random.SystemRandom().getrandbits(31) if args.seed is None else args.seed, tokenizer=tok,
                         speculative_config=args.speculative_config and SpeculativeConfig.from_dict(args.speculative_config),
                         structured_outputs_config={"backend": _resolve_grammar_backend(args.structured_outputs_config)})
         return cls(**{f.name: getattr(args, f.name) for f in fields(EngineArgs)} | resolved, hf_config=hf_config,
-                   tokenizer=tok, eos_token_ids=_eos_token_ids(hf_config, tok),
+                   eos_token_ids=_eos_token_ids(hf_config, tok),
                    max_model_len_is_default=args.max_model_len is None,
                    generation_defaults=read_generation_defaults(path, load_format)
                    if args.generation_config == "auto" else {})

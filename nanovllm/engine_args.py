@@ -2,6 +2,7 @@
 once here; config.py's Config.create validates them and resolves them into the Config the engine
 reads (the same fields, every "auto" decided, plus what the model's files give)."""
 import importlib.util
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -91,8 +92,7 @@ VLLM_ONLY_ARGS = {
     "enable_chunked_prefill": "prefill is always chunked, to max_num_batched_tokens a step",
     "swap_space": "a preempted sequence is recomputed, never swapped to the CPU",
     "cpu_offload_gb": "weights stay on the GPU",
-    "tokenizer": "the model's own tokenizer is used (a .gguf file's own, from its metadata)",
-    "tokenizer_mode": "the model's own tokenizer is used (a .gguf file's own, from its metadata)",
+    "tokenizer_mode": "transformers' tokenizer of the model, or of the tokenizer argument, is used",
     "revision": "a hub model is fetched at its default revision; pass a local directory for another",
     "download_dir": "hub models go to Hugging Face's cache (HF_HOME)",
     "hf_overrides": "the model's config.json is read as it is",
@@ -149,6 +149,8 @@ class EngineArgs:
     or "ray" (actors on the Ray cluster, nanovllm/executor/ray_replicas.py).
     trust_remote_code: let transformers run the model folder's own Python code for its config and
     tokenizer (vLLM's meaning); the model itself must still be an architecture nanovllm implements.
+    tokenizer: a tokenizer folder or hub id to use instead of the model's (e.g. the original
+    model's beside a .gguf file, as vLLM advises for GGUF); None: the model's own.
     enable_lora: serve PEFT LoRA adapters (generate(..., lora_request=...)); max_loras: adapters in
     one step (their slots on the device); max_lora_rank: the largest adapter rank; max_cpu_loras:
     adapters kept on the host (default max_loras, at least as many).
@@ -186,6 +188,7 @@ class EngineArgs:
     max_logprobs: int = 20
     distributed_executor_backend: str = "mp"
     trust_remote_code: bool = False
+    tokenizer: str | None = None
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -228,6 +231,8 @@ class EngineArgs:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {self.max_logprobs!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer or None (a random one), got {self.seed!r}")
+        if self.tokenizer is not None and not isinstance(self.tokenizer, (str, os.PathLike)):
+            raise ValueError(f"tokenizer must be a folder or hub id (a string) or None, got {self.tokenizer!r}")
         for name in ("trust_remote_code", "enable_lora", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -153,6 +153,26 @@ def test_generate_takes_vllm_positional_arguments_and_priority(llm):
     assert llm.llm_engine.get_tokenizer() is llm.llm_engine.tokenizer is llm.get_tokenizer()
 
 
+def test_tokenizer_argument_replaces_the_models(tiny_qwen3, tmp_path):
+    """vLLM's tokenizer engine argument (a folder here; a hub id works the same): text prompts are
+    encoded and completions decoded with it, though the model has no tokenizer of its own."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = [f"w{i}" for i in range(VOCAB - 1)]
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path)
+    assert LLM(tiny_qwen3[0], **ARGS).get_tokenizer() is None
+    llm = LLM(tiny_qwen3[0], tokenizer=str(tmp_path), **ARGS)
+    out = llm.generate("w3 w14 w15 w9", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == [4, 15, 16, 10]
+    assert out.outputs[0].token_ids == hf_greedy(tiny_qwen3[1], [4, 15, 16, 10], 5)
+    assert out.outputs[0].text == llm.get_tokenizer().decode(out.outputs[0].token_ids)
+    with pytest.raises(ValueError, match="tokenizer='/nowhere' is not a tokenizer folder or hub id"):
+        LLM(tiny_qwen3[0], tokenizer="/nowhere", **ARGS)
+
+
 def test_vllm_names_block_size_and_seed_none(tiny_qwen3):
     """block_size, vLLM's name for kvcache_block_size; seed=None, a random engine seed: unseeded
     samples differ between two engines, where the default seed 0 repeats them."""

@@ -83,14 +83,22 @@ def speculators_eagle3_config(raw: dict) -> PretrainedConfig:
 
 
 def load_tokenizer(path: str, load_format: str, hf_config: PretrainedConfig | None = None,
-                   trust_remote_code: bool = False):
-    """The model's tokenizer, or None when it has none (token-id prompts still work); with
+                   trust_remote_code: bool = False, tokenizer: str | None = None):
+    """The model's tokenizer, or None when it has none (token-id prompts still work); or the
+    tokenizer of `tokenizer` (a folder or hub id, vLLM's engine argument; ValueError when
+    transformers cannot load one from it); with
     trust_remote_code transformers may run the model folder's own tokenizer code. For a Qwen
     GGUF file the tokenizer class is named (hf_config.model_type): AutoTokenizer would otherwise
     rebuild the config from the file first, a ~15 s parse of its vocabulary on one CPU core that
     read_hf_config has just done (the same tokenizer either way). Other architectures keep
     AutoTokenizer's own choice (e.g. a llama GGUF may need a byte-level tokenizer, not LlamaTokenizer)."""
     kwargs = {}
+    if tokenizer is not None:  # the user's, instead of the model's
+        try:
+            return AutoTokenizer.from_pretrained(os.fspath(tokenizer), trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"tokenizer={tokenizer!r} is not a tokenizer folder or hub id "
+                             f"transformers can load: {e}") from None
     if load_format == "gguf":
         path, kwargs["gguf_file"] = os.path.split(path)
         if hf_config is not None and hf_config.model_type in ("qwen2", "qwen3"):
