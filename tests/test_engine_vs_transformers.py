@@ -95,6 +95,21 @@ def test_a_request_that_ends_at_once_leaves_its_prompt_cached(tiny_qwen3, max_to
     assert (first[0].num_cached_tokens, second[0].num_cached_tokens) == (0, 32)
 
 
+def test_a_stop_in_the_last_token_ends_a_request_ended_at_its_length(tiny_qwen3):
+    """A request ends at its length when its last step launches; that step's token, read back,
+    may be a stop as well: the stop is its reason then, and its blocks are freed once."""
+    path, hf_model = tiny_qwen3
+    llm = LLM(path, kvcache_block_size=16, device="cpu")
+    prompt = random_prompts([40], seed=13)[0]
+    greedy = hf_greedy(hf_model, prompt, 6)
+    params = SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[greedy[5]], ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert greedy[5] not in greedy[:5]  # the stop comes at the last token, not before
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (greedy, "stop", greedy[5])
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.model_runner.num_kvcache_blocks
+    assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 32
+
+
 def test_preemption(tiny_model):
     path, hf_model = tiny_model
     # 8 blocks of 16 tokens: each sequence needs up to 7 blocks, so running them together preempts

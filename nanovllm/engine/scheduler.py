@@ -137,16 +137,17 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str):
-        """End `seq` (running, or waiting: anywhere in the queue, e.g. aborted) and free its blocks,
-        its full blocks of known, computed tokens first registered in the prefix cache: a request
-        that ends within a token or two of its prompt (max_tokens 1 or 2, EOS at once) has had no
-        step read back after its prompt's. Blocks whose K/V a launched step is still writing are
-        read only by later, stream-ordered steps."""
+        """End `seq` and free its blocks: running, waiting (anywhere in the queue, e.g. aborted), or
+        already ended (at its length when its last step launched, now by a stop in that step's
+        token). A running one's full blocks of known, computed tokens go to the prefix cache first:
+        a request that ends within a token or two of its prompt (max_tokens 1 or 2, EOS at once)
+        has had no step read back after its prompt's. Blocks whose K/V a launched step is still
+        writing are read only by later, stream-ordered steps."""
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self.block_manager.cache_full_blocks(seq, seq.num_known_tokens)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.block_manager.cache_full_blocks(seq, seq.num_known_tokens)
         self.block_manager.free(seq)
         self.drafts.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
