@@ -6,8 +6,8 @@ layer's roofline (bytes at the measured bandwidth or FLOPs at the measured bf16 
 whichever is longer) and the fraction of it reached; for the default config, the other path, the
 sweep's tilings (--sweep) and a per-expert loop of torch matmuls (moe_method.torch_experts, eager:
 it reads the routing on the host). Each config is first checked against a float32 product. Where the
-default is the sorted path, its layout (moe_align_block_size: the sort and one kernel) is timed
-alone too.
+default is the sorted path, its layout (moe_align_block_size: counted where it fits, and sorted)
+is timed alone too.
 
 Timings: a CUDA graph of --layers layers with their own weights (4 x 1.2 GB: weights from HBM,
 not L2), us per layer; the torch loop eagerly over the same layers. The best config per size is
@@ -30,7 +30,9 @@ PAIR_SWEEP = [MoEConfig(pairs=True, pair_n=n, pair_k=k, pair_warps=w, down_n=dn,
               for n, k, w, dn, dk, st in [(8, 512, 4, 8, 128, 1), (8, 512, 8, 8, 128, 3), (4, None, 4, 8, 128, 3),
                                           (16, 256, 4, 8, 128, 3), (16, 256, 4, 4, 256, 3), (16, 256, 4, 4, 256, 1),
                                           (32, 256, 4, 4, 256, 3), (8, 512, 4, 4, 256, 3), (16, 256, 4, 8, 256, 3),
-                                          (16, 256, 4, 16, 128, 3), (16, 256, 4, 2, 512, 3)]]
+                                          (16, 256, 4, 16, 128, 3), (16, 256, 4, 2, 512, 3), (16, 512, 4, 4, 256, 3),
+                                          (8, 1024, 4, 4, 256, 3), (16, 256, 4, 4, 1024, 1), (16, 256, 4, 2, 1024, 1),
+                                          (16, 256, 4, 8, 256, 1), (32, 512, 4, 8, 256, 3)]]
 SORTED_SWEEP = [MoEConfig(block_m=m, block_n=n, block_k=k, group_m=g, num_warps=w, num_stages=s)
                 for m, n, k, g, w, s in [
                     (16, 32, 128, 1, 4, 3), (16, 64, 128, 1, 4, 3), (16, 64, 256, 1, 4, 2), (16, 128, 128, 1, 4, 3),
@@ -129,8 +131,10 @@ def main():
         if args.sweep:
             configs += [c for c in (PAIR_SWEEP if tokens <= 64 else []) + SORTED_SWEEP if c not in configs]
         if not default.pairs:
-            us = time_layers(lambda i: moe_align_block_size(topk_ids, EXPERTS, default.block_m), args.layers)
-            print(f"{tokens:>6} {'layout (moe_align_block_size)':<34} {us:9.1f}")
+            for counted in (True, False) if tokens * TOP_K <= 4096 else (False,):
+                us = time_layers(lambda i: moe_align_block_size(topk_ids, EXPERTS, default.block_m, counted=counted),
+                                 args.layers)
+                print(f"{tokens:>6} {'layout, ' + ('counted' if counted else 'sorted'):<34} {us:9.1f}")
         out = torch.empty_like(x)
         rows = []
         for config in configs:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 from nanovllm.kernels.fp8 import quantize_fp8  # noqa: E402
 from nanovllm.kernels.fused_moe import (MoEConfig, down_pairs, down_sorted, fused_experts, gate_up_pairs,  # noqa: E402
-                                        gate_up_sorted)
+                                        gate_up_sorted, moe_sum)
 from nanovllm.kernels.moe_routing import moe_align_block_size, moe_topk  # noqa: E402
 from nanovllm.layers.moe_method import torch_experts  # noqa: E402
 
@@ -99,18 +99,19 @@ def test_moe_topk_matches_torch():
             torch.testing.assert_close(weights.double(), ref_w, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("counted", [True, False])
 @pytest.mark.parametrize("num_experts", [8, 300])
 @pytest.mark.parametrize("num_tokens,block_m", [(1, 16), (5, 4), (37, 16), (40, 4)])
-def test_moe_align_block_size_groups_pairs_by_expert(num_tokens, block_m, num_experts):
+def test_moe_align_block_size_groups_pairs_by_expert(num_tokens, block_m, num_experts, counted):
     """Every pair in exactly one slot, in order within its expert, each tile's pairs of its
     expert, runs padded to whole tiles with the sentinel num_pairs, unused experts given no tile,
-    pairs left out (-1) in none; ids sorted as bytes (8 experts) and as int32 (300)."""
+    pairs left out (-1) in none; counted, and sorted as bytes (8 experts) and as int32 (300)."""
     _, ids = routing(num_tokens, 8, 3, seed=num_tokens)
     ids[ids == 7] = 6
     if num_tokens == 40:  # some pairs left out (expert parallelism's other ranks' experts)
         ids[::3, 1] = -1
     kept = (ids.reshape(-1) >= 0).nonzero().squeeze(1).cpu()
-    sorted_ids, expert_ids, num_padded = moe_align_block_size(ids, num_experts, block_m)
+    sorted_ids, expert_ids, num_padded = moe_align_block_size(ids, num_experts, block_m, counted=counted)
     flat, pairs = ids.reshape(-1).cpu(), ids.numel()
     counts = torch.bincount(flat[kept].long(), minlength=num_experts)
     assert num_padded.item() == sum(-(-c // block_m) * block_m for c in counts.tolist())
@@ -122,6 +123,37 @@ def test_moe_align_block_size_groups_pairs_by_expert(num_tokens, block_m, num_ex
     for tile, expert in zip(slots, tiles.tolist()):
         assert (flat[tile[tile < pairs].long()] == expert).all() and (tile < pairs).any()
     assert set(tiles.tolist()) == {e for e in range(num_experts) if counts[e] > 0}
+
+
+@pytest.mark.parametrize("num_tokens,block_m", [(1, 16), (9, 16), (300, 32), (512, 64)])
+def test_counted_layout_equals_the_sorted_one(num_tokens, block_m):
+    """Qwen3-30B-A3B's routing (128 experts, top 8) up to the counted layout's most pairs (4096:
+    64 chunks), a fifth of the pairs left out: the same slots, tiles and count as the sort's."""
+    g = torch.Generator().manual_seed(num_tokens)
+    ids = torch.rand(num_tokens, 128, generator=g).topk(8, -1).indices.to(torch.int32)
+    ids[torch.rand(num_tokens, 8, generator=g) < 0.2] = -1
+    ids = ids.to(DEVICE)
+    got = moe_align_block_size(ids, 128, block_m, counted=True)
+    want = moe_align_block_size(ids, 128, block_m, counted=False)
+    used = want[2].item()
+    assert got[2].item() == used
+    assert torch.equal(got[0][:used], want[0][:used])
+    assert torch.equal(got[1][:used // block_m], want[1][:used // block_m])
+
+
+# bfloat16 on CUDA only: Triton's interpreter converts float32 to bfloat16 by truncation
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + [torch.bfloat16] * (DEVICE == "cuda"))
+@pytest.mark.parametrize("num_tokens,top_k,hidden", [(1, 8, 33), (5, 3, 2500), (17, 2, 64)])
+def test_moe_sum_rounds_the_float32_sum_once(num_tokens, top_k, hidden, dtype):
+    """Each token's top_k rows summed into a strided, poisoned output (a tensor-parallel
+    partial-sums buffer's rows): the float32 sum rounded to the dtype, within one rounding; the
+    columns past hidden untouched."""
+    y = torch.randn(num_tokens * top_k, hidden, generator=torch.Generator().manual_seed(hidden)).to(dtype).to(DEVICE)
+    buf = torch.full((num_tokens, hidden + 7), float("nan"), dtype=dtype, device=DEVICE)
+    got = moe_sum(y, buf[:, :hidden])
+    want = y.double().view(num_tokens, top_k, hidden).sum(1)
+    torch.testing.assert_close(got.double(), want, rtol=UNIT_ROUNDOFF[dtype], atol=1e-6 * top_k)
+    assert buf[:, hidden:].isnan().all()
 
 
 CASES = [  # (num_tokens, num_experts, top_k, hidden, intermediate)

@@ -15,7 +15,7 @@ Sorted (more tokens; vLLM's fused_moe design): the pairs are grouped by expert a
 tiles of BLOCK_M rows (moe_routing.moe_align_block_size); each program of a grouped GEMM takes one
 tile, whose pairs share one expert, and multiplies on the tensor cores (tl.dot), reading that
 expert's weights once per tile. The down GEMM multiplies each pair's routing weight into its
-row; a sum over each token's top_k rows ends it. Programs of tiles past the padded count return
+row; a sum over each token's top_k rows ends it (moe_sum). Programs of tiles past the padded count return
 at once, so the grid is sized by the token count alone and CUDA graphs capture it.
 
 Expert parallelism: a pair whose expert id is -1 (another rank's expert: FusedMoE's expert_map)
@@ -237,6 +237,31 @@ def moe_down_kernel(h_ptr, w_ptr, scale_ptr, sorted_ids_ptr, expert_ids_ptr, num
              mask=valid[:, None] & (rn[None, :] < N))
 
 
+@triton.jit
+def moe_sum_kernel(y_ptr, out_ptr, out_stride, H, TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr,
+                   BLOCK_H: tl.constexpr):
+    """Grid (T, cdiv(H, BLOCK_H)): out[t] = sum_j y[t * TOP_K + j], summed in float32 and rounded
+    once, as torch.sum rounds it; y [T * TOP_K, H], out [T, H] (rows out_stride apart)."""
+    token, pid = tl.program_id(0), tl.program_id(1)
+    rh = pid * BLOCK_H + tl.arange(0, BLOCK_H)
+    j = tl.arange(0, TOP_K_P2)
+    y = tl.load(y_ptr + (token.to(tl.int64) * TOP_K + j)[:, None] * H + rh[None, :],
+                mask=(j[:, None] < TOP_K) & (rh[None, :] < H), other=0.0).to(tl.float32)
+    tl.store(out_ptr + token.to(tl.int64) * out_stride + rh, tl.sum(y, 0).to(out_ptr.dtype.element_ty), mask=rh < H)
+
+
+def moe_sum(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The sorted path's top-k sum: y [T * top_k, H] -> out [T, H] (rows may be strided). One read
+    of y, where torch.sum's reduction over the middle dimension read it at under a third of the
+    copy bandwidth (256 tokens of Qwen3-30B-A3B, 8.4 MB: 6.8 us a layer on an H200)."""
+    (num_tokens, hidden), top_k = out.shape, y.size(0) // max(out.size(0), 1)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](y, out, out.stride(0), hidden, TOP_K=top_k,
+                                                               TOP_K_P2=triton.next_power_of_2(top_k),
+                                                               BLOCK_H=block_h, num_warps=4)
+    return out
+
+
 def _pair_k(config: MoEConfig, k: int) -> int:
     return config.pair_k or min(triton.next_power_of_2(k), 2048)
 
@@ -318,4 +343,4 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     h = gate_up_sorted(x, w13, w13_scale, topk_ids, align, config)
     skipped = None if expert_map is None else torch.zeros(topk_ids.numel(), hidden, dtype=x.dtype, device=x.device)
     y = down_sorted(h, w2, w2_scale, topk_weights, align, config, out=skipped)  # skipped pairs' rows stay 0
-    return torch.sum(y.view(num_tokens, topk_ids.size(1), hidden), 1, out=out)
+    return moe_sum(y, out)

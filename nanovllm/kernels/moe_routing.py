@@ -8,6 +8,12 @@ expert, each expert's run padded up to a whole tile with the sentinel num_pairs,
 tile of BLOCK_M slots holds pairs of one expert: a GEMM program reads that expert's weights once
 for up to BLOCK_M rows. Every size is bounded by the token count alone (at most
 num_pairs + min(num_experts, num_pairs) * (BLOCK_M - 1) slots), so a CUDA graph captures it.
+
+Up to a few thousand pairs (a decode step) the layout is counted, not sorted: the pairs are cut
+into chunks; one kernel counts each chunk's pairs per expert, and a second places each pair at
+its expert's run start plus the earlier chunks' pairs of that expert plus its rank among its
+chunk's (a counting sort: a stable sort's order, no atomics). torch's sort of the same pairs
+takes a radix sort, a search and two small kernels: five launches where this takes two.
 """
 import torch
 import triton
@@ -89,26 +95,105 @@ def max_padded_slots(num_pairs: int, num_experts: int, block_m: int) -> int:
     return num_pairs + min(num_experts, num_pairs) * (block_m - 1)
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
-                         block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# The counted layout's chunks: COUNTED_CELLS one-hot cells of [chunk, experts] (and of [chunks,
+# experts] counts) per program, so 64 chunks of 64 pairs at 128 experts (512 tokens of top 8)
+COUNTED_CELLS = 8192
+
+
+def counted_chunk(num_experts: int) -> int:
+    """Pairs per chunk of the counted layout (a power of two)."""
+    return max(1, COUNTED_CELLS // triton.next_power_of_2(num_experts))
+
+
+@triton.jit
+def moe_count_kernel(ids_ptr, counts_ptr, num_pairs, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """Grid (chunks,): counts[c, e] [chunks, BLOCK_E] int32 = chunk c's pairs (ids[c * CHUNK:
+    (c + 1) * CHUNK]) of expert e; a pair left out (-1) counts for none."""
+    c = tl.program_id(0)
+    pairs = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+    experts = tl.arange(0, BLOCK_E)
+    onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+    tl.store(counts_ptr + c * BLOCK_E + experts, tl.sum(onehot, 0))
+
+
+@triton.jit
+def moe_place_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr, num_pairs, num_chunks,
+                     num_tiles, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, MAX_CHUNKS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, TILES: tl.constexpr):
+    """Grid (chunks,), after moe_count_kernel: program c writes its chunk's pairs to their slots,
+    and its share of the tiles (TILES at a time, tiles c * TILES, (c + chunks) * TILES, ... below
+    num_tiles): each tile's expert and its padding slots (num_pairs). Expert e's run starts after
+    the earlier experts' runs padded to multiples of BLOCK_M; pair p of chunk c goes to that start
+    plus the earlier chunks' pairs of e plus the chunk's pairs of e before p."""
+    c = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    chunks = tl.arange(0, MAX_CHUNKS)
+    counts = tl.load(counts_ptr + chunks[:, None] * BLOCK_E + experts[None, :], mask=chunks[:, None] < num_chunks,
+                     other=0)
+    total = tl.sum(counts, 0)  # [BLOCK_E] pairs per expert
+    padded = tl.cdiv(total, BLOCK_M) * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    start = end - padded
+    before = tl.sum(tl.where(chunks[:, None] < c, counts, 0), 0)  # earlier chunks' pairs per expert
+    pairs = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+    onehot = ids[:, None] == experts[None, :]  # [CHUNK, BLOCK_E]
+    rank = tl.cumsum(onehot.to(tl.int32), 0)  # 1 + the chunk's pairs of the same expert before
+    slot = tl.sum(tl.where(onehot, start[None, :] + before[None, :] + rank - 1, 0), 1)
+    tl.store(sorted_ids_ptr + slot, pairs, mask=ids >= 0)
+    rows = tl.arange(0, BLOCK_M)
+    for t0 in range(c * TILES, num_tiles, num_chunks * TILES):
+        tiles = t0 + tl.arange(0, TILES)
+        # a tile's expert: the one whose run holds it (an expert without pairs has an empty run)
+        mine = (end[None, :] > tiles[:, None] * BLOCK_M) & (start[None, :] <= tiles[:, None] * BLOCK_M)
+        expert = tl.sum(tl.where(mine, experts[None, :], 0), 1)
+        run_start = tl.sum(tl.where(mine, start[None, :], 0), 1)
+        run_count = tl.sum(tl.where(mine, total[None, :], 0), 1)
+        live = tl.sum(mine.to(tl.int32), 1) > 0  # tiles past num_padded belong to no expert
+        tl.store(expert_ids_ptr + tiles, expert, mask=live)
+        slots = tiles[:, None] * BLOCK_M + rows[None, :]
+        pad = live[:, None] & (slots - run_start[:, None] >= run_count[:, None])
+        tl.store(sorted_ids_ptr + slots, tl.full([TILES, BLOCK_M], 0, tl.int32) + num_pairs, mask=pad)
+    if c == 0:
+        tl.store(num_padded_ptr, tl.sum(padded, 0))
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                         counted: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [num_tokens, top_k] (int32 or int64, each in [0, num_experts), or -1 for a pair
     to leave out: expert parallelism's other ranks' experts) -> (sorted_ids
     [max_padded_slots] int32: the pairs expert by expert, each expert's run padded to a multiple
     of block_m with num_pairs; expert_ids [max_padded_slots / block_m] int32: each tile's expert;
     num_padded [1] int32: the slots in use, a multiple of block_m). Slots and tiles past
-    num_padded hold garbage: the GEMMs stop there. A stable sort, then one kernel; no host sync."""
+    num_padded hold garbage: the GEMMs stop there. No host sync. counted: the counted layout
+    (two kernels; up to max_counted_pairs pairs) or a stable sort then one kernel; None picks
+    the counted one where it fits. Both give the same layout."""
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
+    slots = max_padded_slots(num_pairs, num_experts, block_m)
+    sorted_ids = torch.empty(slots, dtype=torch.int32, device=flat.device)
+    expert_ids = torch.empty(triton.cdiv(slots, block_m), dtype=torch.int32, device=flat.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
+    block_e, chunk = triton.next_power_of_2(num_experts), counted_chunk(num_experts)
+    max_chunks = max(1, COUNTED_CELLS // block_e)
+    if counted is None:
+        counted = 0 < num_pairs <= max_chunks * chunk
+    if counted:
+        chunks = triton.cdiv(num_pairs, chunk)
+        assert 0 < chunks <= max_chunks, f"{num_pairs} pairs exceed the counted layout's {max_chunks * chunk}"
+        counts = torch.empty(chunks, block_e, dtype=torch.int32, device=flat.device)
+        moe_count_kernel[(chunks,)](flat, counts, num_pairs, BLOCK_E=block_e, CHUNK=chunk, num_warps=4)
+        moe_place_kernel[(chunks,)](flat, counts, sorted_ids, expert_ids, num_padded, num_pairs, chunks,
+                                    expert_ids.numel(), BLOCK_E=block_e, CHUNK=chunk, MAX_CHUNKS=max_chunks,
+                                    BLOCK_M=block_m, TILES=max(1, min(32, 4096 // block_m)), num_warps=4)
+        return sorted_ids, expert_ids, num_padded
     # sorted as bytes where the ids fit (a pair left out, -1, becomes 255 and sorts after every
     # expert): 2 radix passes, not 8. 256 tokens of top 8 on an H200, a CUDA graph of 48: the sort
     # 20.9 us as int32, 14.4 as bytes with the conversion; the same order
     keys = flat.to(torch.uint8) if num_experts < 255 else flat
     experts, order = torch.sort(keys, stable=True)
     bounds = torch.searchsorted(experts, torch.arange(num_experts + 1, device=flat.device, dtype=experts.dtype))
-    slots = max_padded_slots(num_pairs, num_experts, block_m)
-    sorted_ids = torch.empty(slots, dtype=torch.int32, device=flat.device)
-    expert_ids = torch.empty(triton.cdiv(slots, block_m), dtype=torch.int32, device=flat.device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
     moe_align_kernel[(num_experts,)](order, bounds, sorted_ids, expert_ids, num_padded, num_pairs, num_experts,
-                                     BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_M=block_m, num_warps=1)
+                                     BLOCK_E=block_e, BLOCK_M=block_m, num_warps=1)
     return sorted_ids, expert_ids, num_padded
