@@ -363,7 +363,7 @@ def profile_steps(llm, prompts, params, out_dir, skip, loras):
     path = os.path.join(out_dir, "trace.json")
     prof.export_chrome_trace(path)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
-    print(f"profile: {path}")
+    print(f"profile: {path} (GPU time by kernel: python benchmarks/trace_summary.py {path})")
 
 
 def step_stats(llm, prompts, params, loras):

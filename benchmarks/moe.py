@@ -7,7 +7,7 @@ whichever is longer) and the fraction of it reached; for the default config, the
 sweep's tilings (--sweep) and a per-expert loop of torch matmuls (moe_method.torch_experts, eager:
 it reads the routing on the host). Each config is first checked against a float32 product. Where the
 default is the sorted path, its layout (moe_align_block_size: counted where it fits, and sorted)
-is timed alone too.
+and its top-k sum (moe_sum, and torch.sum) are timed alone too.
 
 Timings: a CUDA graph of --layers layers with their own weights (4 x 1.2 GB: weights from HBM,
 not L2), us per layer; the torch loop eagerly over the same layers. The best config per size is
@@ -21,7 +21,7 @@ import torch
 
 from bench import measure_bandwidth, measure_matmul_flops
 from nanovllm.kernels.fp8 import quantize_fp8
-from nanovllm.kernels.fused_moe import MoEConfig, default_config, fused_experts
+from nanovllm.kernels.fused_moe import MoEConfig, default_config, fused_experts, moe_sum
 from nanovllm.kernels.moe_routing import moe_align_block_size
 from nanovllm.layers.moe_method import torch_experts
 
@@ -135,6 +135,14 @@ def main():
                 us = time_layers(lambda i: moe_align_block_size(topk_ids, EXPERTS, default.block_m, counted=counted),
                                  args.layers)
                 print(f"{tokens:>6} {'layout, ' + ('counted' if counted else 'sorted'):<34} {us:9.1f}")
+            # the top-k sum over 48 outputs (more than L2 holds), by moe_sum and by torch.sum
+            ys = [torch.randn(tokens * TOP_K, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
+                  for _ in range(48)]
+            summed = torch.empty(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+            for name, fn in [("moe_sum", lambda i: moe_sum(ys[i], summed)),
+                             ("torch.sum", lambda i: torch.sum(ys[i].view(tokens, TOP_K, HIDDEN), 1, out=summed))]:
+                print(f"{tokens:>6} {'top-k sum, ' + name:<34} {time_layers(fn, len(ys)):9.1f}")
+            del ys
         out = torch.empty_like(x)
         rows = []
         for config in configs:
