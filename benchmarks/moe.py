@@ -22,7 +22,7 @@ import torch
 from bench import measure_bandwidth, measure_matmul_flops
 from nanovllm.kernels.fp8 import quantize_fp8
 from nanovllm.kernels.fused_moe import MoEConfig, default_config, fused_experts, moe_sum
-from nanovllm.kernels.moe_routing import moe_align_block_size
+from nanovllm.kernels.moe_routing import max_counted_pairs, moe_align_block_size
 from nanovllm.layers.moe_method import torch_experts
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
@@ -131,7 +131,7 @@ def main():
         if args.sweep:
             configs += [c for c in (PAIR_SWEEP if tokens <= 64 else []) + SORTED_SWEEP if c not in configs]
         if not default.pairs:
-            for counted in (True, False) if tokens * TOP_K <= 4096 else (False,):
+            for counted in (True, False) if tokens * TOP_K <= max_counted_pairs(EXPERTS) else (False,):
                 us = time_layers(lambda i: moe_align_block_size(topk_ids, EXPERTS, default.block_m, counted=counted),
                                  args.layers)
                 print(f"{tokens:>6} {'layout, ' + ('counted' if counted else 'sorted'):<34} {us:9.1f}")

@@ -101,8 +101,13 @@ COUNTED_CELLS = 8192
 
 
 def counted_chunk(num_experts: int) -> int:
-    """Pairs per chunk of the counted layout (a power of two)."""
+    """Pairs per chunk of the counted layout, and its most chunks (a power of two)."""
     return max(1, COUNTED_CELLS // triton.next_power_of_2(num_experts))
+
+
+def max_counted_pairs(num_experts: int) -> int:
+    """The most pairs the counted layout takes: counted_chunk(num_experts) chunks of as many pairs."""
+    return counted_chunk(num_experts) ** 2
 
 
 @triton.jit
@@ -167,8 +172,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     of block_m with num_pairs; expert_ids [max_padded_slots / block_m] int32: each tile's expert;
     num_padded [1] int32: the slots in use, a multiple of block_m). Slots and tiles past
     num_padded hold garbage: the GEMMs stop there. No host sync. counted: the counted layout
-    (two kernels; up to max_counted_pairs pairs) or a stable sort then one kernel; None picks
-    the counted one where it fits. Both give the same layout."""
+    (two kernels; up to max_counted_pairs(num_experts) pairs) or a stable sort then one kernel;
+    None picks the counted one where it fits. Both give the same layout."""
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     slots = max_padded_slots(num_pairs, num_experts, block_m)
@@ -176,16 +181,15 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     expert_ids = torch.empty(triton.cdiv(slots, block_m), dtype=torch.int32, device=flat.device)
     num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
     block_e, chunk = triton.next_power_of_2(num_experts), counted_chunk(num_experts)
-    max_chunks = max(1, COUNTED_CELLS // block_e)
     if counted is None:
-        counted = 0 < num_pairs <= max_chunks * chunk
+        counted = 0 < num_pairs <= max_counted_pairs(num_experts)
     if counted:
         chunks = triton.cdiv(num_pairs, chunk)
-        assert 0 < chunks <= max_chunks, f"{num_pairs} pairs exceed the counted layout's {max_chunks * chunk}"
+        assert 0 < chunks <= chunk, f"{num_pairs} pairs exceed the counted layout's {max_counted_pairs(num_experts)}"
         counts = torch.empty(chunks, block_e, dtype=torch.int32, device=flat.device)
         moe_count_kernel[(chunks,)](flat, counts, num_pairs, BLOCK_E=block_e, CHUNK=chunk, num_warps=4)
         moe_place_kernel[(chunks,)](flat, counts, sorted_ids, expert_ids, num_padded, num_pairs, chunks,
-                                    expert_ids.numel(), BLOCK_E=block_e, CHUNK=chunk, MAX_CHUNKS=max_chunks,
+                                    expert_ids.numel(), BLOCK_E=block_e, CHUNK=chunk, MAX_CHUNKS=chunk,
                                     BLOCK_M=block_m, TILES=max(1, min(32, 4096 // block_m)), num_warps=4)
         return sorted_ids, expert_ids, num_padded
     # sorted as bytes where the ids fit (a pair left out, -1, becomes 255 and sorts after every
