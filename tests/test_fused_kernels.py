@@ -124,30 +124,38 @@ def test_round_to_e4m3_is_the_float8_cast():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if DEVICE == "cuda" else [torch.float16])
-@pytest.mark.parametrize("rows,k,rank,has_residual,meet", [
-    (1, 1024, 0, True, True), (5, 1000, 1, True, True), (33, 4096, 1, False, True),
-    (7, 1000, 0, True, False), (2, 4096, 1, False, False)])  # without meet: a prefill step's, sent by copy engine
-def test_all_reduce_rms_norm_kernel(dtype, rows, k, rank, has_residual, meet):
-    """TP=2's all-reduce + residual add + RMSNorm kernel on one device, the peer's partial sums a
-    local tensor and its signal set beforehand (float16 in the interpreter, which rounds bf16
-    wrongly): the residual sum exact, the output within two roundings (the normalised value's and
-    the weight product's) of the float32 norm of that sum, the peer's flag set and this rank's
-    consumed; without the meeting (flags None) the same values."""
-    from nanovllm.kernels.all_reduce_norm import all_reduce_rms_norm_2
-    g = torch.Generator().manual_seed(rows * k + rank)
+@pytest.mark.parametrize("rows,k,has_residual,push", [
+    (1, 1024, True, True), (5, 1000, True, True), (33, 4096, False, True),
+    (7, 1000, True, False), (2, 4096, False, False)])  # without push: a prefill step's, sent by copy engine
+def test_all_reduce_rms_norm_kernel(dtype, rows, k, has_residual, push):
+    """TP=2's all-reduce + residual add + RMSNorm kernel on one device, the peer's push into this
+    rank's box made beforehand (float16 in the interpreter, which rounds bf16 wrongly), and partial
+    sums with -0.0 among them: the residual sum exact, the output within two roundings (the
+    normalised value's and the weight product's) of the float32 norm of that sum, this rank's rows
+    pushed into the peer's box with -0.0 as +0.0, and its own box's rows marked empty again, the
+    rows past them untouched; without push (peer_box None) the same values from a box left as it
+    is."""
+    from nanovllm.kernels.all_reduce_norm import EMPTY_BITS, all_reduce_rms_norm_2
+    g = torch.Generator().manual_seed(rows * k)
     own, peer, res = (torch.randn(rows, k, generator=g).to(DEVICE, dtype) for _ in range(3))
+    own[:, ::7] = -0.0
+    peer[:, ::5] = 0.0  # as pushed: never -0.0
     w = torch.randn(k, generator=g).to(DEVICE, dtype)
-    flags, peer_flags = (torch.zeros(rows, 2, dtype=torch.int32, device=DEVICE) for _ in range(2))
-    flags[:, 1 - rank] = 1  # the peer has signalled
-    y, r = all_reduce_rms_norm_2(own, peer, flags if meet else None, peer_flags if meet else None, rank,
-                                 res if has_residual else None, w, 1e-6)
+    empty = torch.full((rows + 3, k), EMPTY_BITS, dtype=torch.int16, device=DEVICE).view(dtype)
+    box, peer_box = empty.clone(), empty.clone()
+    box[:rows] = peer
+    y, r = all_reduce_rms_norm_2(own, box, peer_box if push else None, res if has_residual else None, w, 1e-6)
     r_ref = (own.float() + peer.float()).to(dtype)
     if has_residual:
         r_ref = (r_ref.float() + res.float()).to(dtype)
-    assert torch.equal(r, r_ref)
+    assert torch.equal(r.view(torch.int16), r_ref.view(torch.int16))  # bitwise: +0.0 where both addends are zeros
     rf = r_ref.float()
     y_ref = rf * torch.rsqrt(rf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
     info = torch.finfo(dtype)  # two roundings: of unit roundoff eps / 2 each, or of half a subnormal step
     assert ((y.float() - y_ref).abs() <= 1.01 * info.eps * y_ref.abs() + info.tiny * info.eps).all()
-    if meet:
-        assert (flags == 0).all() and (peer_flags[:, rank] == 1).all() and (peer_flags[:, 1 - rank] == 0).all()
+    if push:
+        assert torch.equal(box.view(torch.int16), empty.view(torch.int16))
+        assert torch.equal(peer_box[:rows].view(torch.int16), (own + 0.0).view(torch.int16))  # -0.0 + 0.0 = +0.0
+        assert torch.equal(peer_box[rows:].view(torch.int16), empty[rows:].view(torch.int16))
+    else:
+        assert torch.equal(box[:rows], peer) and torch.equal(peer_box.view(torch.int16), empty.view(torch.int16))

@@ -5,16 +5,17 @@ directory: no fixed port or shared-memory name, so engines on one host never col
 With tensor parallelism every row-parallel product (o_proj, down_proj) and the embedding leave
 each rank's partial sums, and the RMSNorm after them sums those first (all_reduce_rms_norm). With
 two GPUs, a step of up to max_num_seqs rows does it in one kernel (all_reduce_norm_kernel): each
-product writes straight into one of three buffers in PyTorch's symmetric memory, which both ranks
-map, and the norm's kernel reads the peer's partial sums over NVLink. In a TP=2 decode step of 256
-sequences of Qwen3-8B (2 x H100) the 73 sums took 2.48 ms in NCCL's all-reduces, 1.47 in
-PyTorch's two-shot symmetric-memory all-reduce with its copies, and take 1.02 here, norms
-included; `bench.py --model qwen3-8b --tp 2` 10.85 -> 10.20 s against the two-shot kernel
-(docs/perf-log.md, 2026-11-25). Larger steps (prefill, up to max_num_batched_tokens rows) send
-their partial sums to the peer through the copy engines instead (send_partial_sums), chunk by
-chunk while the product computes the next chunk, so the transfer leaves the SMs to the products;
-NCCL's all_reduce shares them and runs after each product. More ranks and CPUs use
-torch.distributed's all_reduce, then the norm."""
+product writes into one of three buffers, and the norm's kernel pushes them over NVLink into the
+peer's box of that slot, in PyTorch's symmetric memory, which both ranks map, and sums them with
+what the peer pushed into its own. In a TP=2 decode step of 256 sequences of Qwen3-8B (2 x H100)
+the 73 sums took 2.48 ms in NCCL's all-reduces, 1.47 in PyTorch's two-shot symmetric-memory
+all-reduce with its copies, and 1.02 in this kernel when it read the peer's buffer after a
+meeting, norms included (docs/perf-log.md, 2026-11-25); pushing took a third off a call at
+Qwen3-30B-A3B's shape (kernels/all_reduce_norm.py). Larger steps (prefill, up to
+max_num_batched_tokens rows) send their partial sums to the peer through the copy engines instead
+(send_partial_sums), chunk by chunk while the product computes the next chunk, so the transfer
+leaves the SMs to the products; NCCL's all_reduce shares them and runs after each product. More
+ranks, float32 and CPUs use torch.distributed's all_reduce, then the norm."""
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
@@ -42,14 +43,14 @@ def symmetric_memory_unused() -> bool:
 @dataclass
 class SymmetricBuffers:
     """Two ranks' shared memory: this rank's three [max_rows, hidden] partial-sum buffers (one per
-    slot) and the peer's, mapped here; the one-kernel sum's [max_rows, 2] int32 meeting flags;
-    two [max_tokens, hidden] inboxes the peer's copy engine writes (inboxes) and the peer's that
-    this rank writes (peer_inboxes), with their [2] int32 flags; the copy stream."""
+    slot, local); its three boxes of that shape, in symmetric memory, where the peer pushes its
+    partial sums for the one-kernel sum (boxes), and the peer's boxes mapped here (peer_boxes); two
+    [max_tokens, hidden] inboxes the peer's copy engine writes (inboxes) and the peer's that this
+    rank writes (peer_inboxes), with their [2] int32 flags; the copy stream."""
     rank: int
     buffers: list
-    peer_buffers: list
-    flags: torch.Tensor
-    peer_flags: torch.Tensor
+    boxes: list
+    peer_boxes: list
     inboxes: list
     peer_inboxes: list
     copy_flags: torch.Tensor
@@ -68,7 +69,7 @@ class TPGroup:
 
     def partial_sums_buffer(self, rows: int, dtype: torch.dtype, slot: int) -> torch.Tensor | None:
         """Where a product of `rows` rows in `dtype` should write this rank's partial sums for
-        all_reduce_rms_norm to sum them in one kernel: symmetric buffer `slot` (O_PROJ_SLOT,
+        all_reduce_rms_norm to sum them in one kernel: buffer `slot` (O_PROJ_SLOT,
         DOWN_PROJ_SLOT, EMBEDDING_SLOT) as [rows, hidden_size]; None when that path does not apply
         (no symmetric memory, more rows, another dtype)."""
         sym = self.symmetric
@@ -122,13 +123,11 @@ class TPGroup:
             return (norm(x), x) if residual is None else norm(x, residual)
         from nanovllm.kernels.all_reduce_norm import all_reduce_rms_norm_2, wait_kernel
         if slot is not None:
-            return all_reduce_rms_norm_2(x, sym.peer_buffers[slot][:x.size(0)], sym.flags, sym.peer_flags, sym.rank,
-                                         residual, norm.weight, norm.eps)
+            return all_reduce_rms_norm_2(x, sym.boxes[slot], sym.peer_boxes[slot], residual, norm.weight, norm.eps)
         inbox = self._sent[1]
         self._sent.clear()
         wait_kernel[(1,)](sym.copy_flags[1 - sym.rank:], num_warps=1)
-        return all_reduce_rms_norm_2(x, sym.inboxes[inbox][:x.size(0)], None, None, sym.rank, residual,
-                                     norm.weight, norm.eps)
+        return all_reduce_rms_norm_2(x, sym.inboxes[inbox], None, residual, norm.weight, norm.eps)
 
     def leave(self, graphs: dict):
         """End this rank's part in the group: free its CUDA graphs (`graphs`, (batch size, q_len) ->
@@ -149,10 +148,10 @@ def init_process_group(rank: int, size: int, store_path: str, device: torch.devi
                        dtype: torch.dtype = torch.bfloat16) -> TPGroup:
     """Join the engine's process group: NCCL on CUDA (one GPU per rank), gloo on CPU; returns this
     rank's TPGroup. symmetric_shape: (max_rows, max_tokens, hidden_size) (max_num_seqs,
-    max_num_batched_tokens): with two CUDA ranks, partial sums of up to max_rows rows in `dtype`
-    are summed through symmetric memory (see TPGroup.partial_sums_buffer), and of up to max_tokens
-    rows sent through the copy engines (send_partial_sums); every rank passes it or none does (see
-    symmetric_memory_unused). Raises RuntimeError if this process already belongs to another
+    max_num_batched_tokens): with two CUDA ranks and a 16-bit dtype, partial sums of up to
+    max_rows rows in `dtype` are summed through symmetric memory (see TPGroup.partial_sums_buffer),
+    and of up to max_tokens rows sent through the copy engines (send_partial_sums); every rank
+    passes it or none does (see symmetric_memory_unused). Raises RuntimeError if this process already belongs to another
     engine's group."""
     if dist.is_initialized():
         raise RuntimeError("this process already has a torch.distributed group: its own, or a live "
@@ -162,7 +161,7 @@ def init_process_group(rank: int, size: int, store_path: str, device: torch.devi
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timedelta(minutes=10))
     symmetric = None
-    if device.type == "cuda" and symmetric_shape and size == 2:
+    if device.type == "cuda" and symmetric_shape and size == 2 and dtype in (torch.bfloat16, torch.float16):
         symmetric = _symmetric_buffers(rank, device, symmetric_shape, dtype)
     return TPGroup(rank, size, symmetric)
 
@@ -175,19 +174,20 @@ def _symmetric_buffers(rank: int, device: torch.device, shape: tuple[int, int, i
     _rendezvous_made = True
     max_rows, max_tokens, hidden = shape
     try:
-        buffers = [_mapped((max_rows, hidden), dtype, device, rank) for _ in range(3)]
-        flags, peer_flags = _mapped((max_rows, 2), torch.int32, device, rank)
+        boxes = [_mapped((max_rows, hidden), dtype, device, rank) for _ in range(3)]
         inboxes = [_mapped((max_tokens, hidden), dtype, device, rank) for _ in range(2)]
         copy_flags, peer_copy_flags = _mapped((2,), torch.int32, device, rank)
     except RuntimeError as e:  # no peer access between the GPUs, say
         logger.warning("symmetric memory unavailable (%s); all-reduces use NCCL", e)
         return None
-    flags.zero_()
+    from nanovllm.kernels.all_reduce_norm import EMPTY_BITS
+    for box, _ in boxes:
+        box.view(torch.int16).fill_(EMPTY_BITS)
     copy_flags.zero_()
     torch.cuda.synchronize(device)
-    dist.barrier(device_ids=[device.index])  # both ranks' flags are zero before either kernel runs
-    return SymmetricBuffers(rank, [b for b, _ in buffers], [p for _, p in buffers], flags, peer_flags,
-                            [b for b, _ in inboxes], [p for _, p in inboxes], copy_flags, peer_copy_flags,
+    dist.barrier(device_ids=[device.index])  # both ranks' boxes are empty and flags zero before either kernel runs
+    return SymmetricBuffers(rank, [torch.empty(max_rows, hidden, dtype=dtype, device=device) for _ in range(3)],
+                            [b for b, _ in boxes], [p for _, p in boxes], [b for b, _ in inboxes], [p for _, p in inboxes], copy_flags, peer_copy_flags,
                             torch.cuda.Stream(device))
 
 

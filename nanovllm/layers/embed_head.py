@@ -13,7 +13,7 @@ class VocabParallelEmbedding(nn.Module):
 
     forward(input_ids [T] int64) -> [T, embedding_dim]. With tp_size > 1 that is this rank's partial
     sum: the rows of tokens other ranks own are zero here, and the first norm sums the ranks'
-    (all_reduce_rms_norm), written into symmetric memory where partial_sums_buffer has room.
+    (all_reduce_rms_norm), written into the buffer partial_sums_buffer gives where it has room.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallel):

@@ -130,7 +130,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Shards the input features. With tp_size > 1, forward returns this rank's partial sums
     [num_tokens, output_size] (bias added on rank 0), which the next norm sums over the ranks
-    (all_reduce_rms_norm): written into symmetric buffer `slot` where partial_sums_buffer has one,
+    (all_reduce_rms_norm): written into buffer `slot` where partial_sums_buffer has one,
     else sent to the peer as they are computed where send_partial_sums can. gated: the input is
     [gate | up] (each this rank's shard) and the layer multiplies silu(gate) * up (SwiGLU's
     down_proj)."""
