@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.gemv import widen
 from nanovllm.kernels.moe_routing import max_padded_slots, moe_align_block_size
 from nanovllm.kernels.pdl import pdl_args, pdl_start
 
@@ -116,8 +117,8 @@ def moe_gate_up_pairs_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, N, K, TOP_
     for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         x = tl.load(x_ptrs + k, mask=rk + k < K, other=0.0).to(tl.float32)[None, :]
         mask = (rn[:, None] < N) & (rk[None, :] + k < K)
-        acc_gate += tl.load(gate_ptrs + k, mask=mask, other=0.0).to(tl.float32) * x
-        acc_up += tl.load(gate_ptrs + N * K + k, mask=mask, other=0.0).to(tl.float32) * x
+        acc_gate += widen(tl.load(gate_ptrs + k, mask=mask, other=0.0), HAS_SCALE) * x
+        acc_up += widen(tl.load(gate_ptrs + N * K + k, mask=mask, other=0.0), HAS_SCALE) * x
     gate, up = tl.sum(acc_gate, 1), tl.sum(acc_up, 1)
     if HAS_SCALE:
         gate *= tl.load(scale_ptr + expert * 2 * N + rn, mask=rn < N, other=0.0)
@@ -147,8 +148,8 @@ def moe_down_pairs_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr
     for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         h = tl.load(h_ptr + pairs[:, None] * K + k + rk[None, :], mask=live[:, None] & (rk[None, :] + k < K),
                     other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs + k, mask=w_mask & (rk[None, None, :] + k < K), other=0.0).to(tl.float32)
-        acc += w * h[:, None, :]
+        w = tl.load(w_ptrs + k, mask=w_mask & (rk[None, None, :] + k < K), other=0.0)
+        acc += widen(w, HAS_SCALE) * h[:, None, :]
     y = tl.sum(acc, 2)  # [TOP_K_P2, BLOCK_N]
     if HAS_SCALE:
         y *= tl.load(scale_ptr + experts[:, None] * N + rn[None, :], mask=live[:, None] & (rn[None, :] < N), other=0.0)

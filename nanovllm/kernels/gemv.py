@@ -52,10 +52,10 @@ def _residual_sum(x_ptr, res_ptr, offs, K, HAS_RESIDUAL: tl.constexpr):
 
 
 @triton.jit
-def _widen(w, SCALED: tl.constexpr):
+def widen(w, SCALED: tl.constexpr):
     """Weights in float32; float8 (SCALED) ones through float16, which holds every e4m3 value, as
     Triton's direct cast is slower: a layer's four products at Qwen3-8B's shapes 78.6 -> 75.3 us on
-    an H100 (docs/perf-log.md, 2026-11-25)."""
+    an H100 (docs/perf-log.md, 2026-11-25). fused_moe.py's pair kernels widen their weights so too."""
     if SCALED:
         return w.to(tl.float16).to(tl.float32)
     return w.to(tl.float32)
@@ -81,13 +81,13 @@ def _dot_rows(x_ptr, w_ptr, rn, N, K, eps, res_ptr, norm_w_ptr, res_out_ptr, res
             sq += r * r
         inv_rms = tl.rsqrt(tl.sum(sq, 0) / K + eps)
     a = _input(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, rk, K, inv_rms, res_cols, GATED, NORM, HAS_RESIDUAL)
-    acc = _widen(w, SCALED) * a[None, :]
+    acc = widen(w, SCALED) * a[None, :]
     for k in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
         w = tl.load(w_ptrs, mask=(rn[:, None] < N) & (k + rk[None, :] < K), other=0.0)
         a = _input(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, k + rk, K, inv_rms, res_cols, GATED, NORM,
                    HAS_RESIDUAL)
-        acc += _widen(w, SCALED) * a[None, :]
+        acc += widen(w, SCALED) * a[None, :]
     return tl.sum(acc, 1)
 
 
