@@ -107,7 +107,7 @@ class LLM:
         try:
             for request_id, (prompt, params, lora) in zip(ids, requests):
                 self.engine.add_request(request_id, prompt, replace(params, output_kind=RequestOutputKind.FINAL_ONLY),
-                                        lora)
+                                        lora_request=lora)
             spec_metrics = getattr(self.engine, "spec_metrics", None) if self.config.speculative_config else None
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():

@@ -61,6 +61,27 @@ def test_flat_logprobs_hold_the_same_values(llm):
         SamplingParams(flat_logprobs="yes")
 
 
+def test_add_request_takes_vllms_arguments_in_order(tiny_qwen3):
+    """LLMEngine.add_request(request_id, prompt, params, arrival_time, lora_request, priority), as
+    vLLM's: a time.time() fourth runs; an adapter passed fourth, or a priority other than 0, is a
+    ValueError that queues nothing, and the engine keeps serving."""
+    import time
+    from nanovllm import LoRARequest
+    engine = LLMEngine.from_engine_args(tiny_qwen3[0], **ARGS)
+    prompt = random_prompts([6], seed=45)[0]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("a", prompt, params, time.time())
+    engine.add_request("b", prompt, params, None, None, 0)
+    with pytest.raises(ValueError, match="arrival_time must be a time in seconds"):
+        engine.add_request("c", prompt, params, LoRARequest("x", 1, "/nowhere"))
+    with pytest.raises(ValueError, match="no priority scheduling"):
+        engine.add_request("d", prompt, params, priority=1)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished |= {out.request_id: out.outputs[0].token_ids for out in engine.step() if out.finished}
+    assert sorted(finished) == ["a", "b"] and finished["a"] == finished["b"] == hf_greedy(tiny_qwen3[1], prompt, 3)
+
+
 @pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
 def test_streamed_logprobs_add_up_to_the_final_ones(tiny_qwen3, kind):
     """LLMEngine.step's outputs: each CUMULATIVE report a prefix of the final list (the same dict

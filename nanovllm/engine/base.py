@@ -10,10 +10,14 @@ class EngineBase(ABC):
     config: Config
 
     @abstractmethod
-    def add_request(self, request_id: str, prompt, params, lora_request=None) -> None:
+    def add_request(self, request_id: str, prompt, params, arrival_time: float | None = None,
+                    lora_request=None, priority: int = 0) -> None:
         """Validate one request and queue it; ValueError (nothing queued) when it is invalid.
         prompt: a string, a list of token ids, or {"prompt_token_ids": [...], "prompt": text};
-        lora_request: the LoRARequest of the adapter it runs with, or None."""
+        arrival_time: vLLM's, which it keeps for its request metrics: requests run in the order
+        they are added and RequestOutput.metrics is None here, so it changes nothing; lora_request:
+        the LoRARequest of the adapter it runs with, or None; priority: 0 (no priority
+        scheduling). The arguments in vLLM's LLMEngine.add_request's order."""
 
     @abstractmethod
     def step(self) -> list[RequestOutput]:
@@ -42,7 +46,7 @@ class EngineBase(ABC):
         return self.config.tokenizer
 
     def get_tokenizer(self):
-        return self.config.tokenizer
+        return self.tokenizer
 
     def get_metrics(self) -> list:
         """The engine's metric records (engine/spec_decode/metrics.py); none by default."""

@@ -56,13 +56,15 @@ class EngineCore(EngineBase):
             if spec else None
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                    priority: int = 0) -> None:
         """Queue one request (vLLM's LLMEngine.add_request), run with the LoRA adapter lora_request
         when given; its outputs come from step() as its params.output_kind says. ValueError,
         nothing queued, when it is invalid or the id is in use."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
-        request = self.processor.make_request(request_id, prompt, params or SamplingParams(), lora_request)
+        request = self.processor.make_request(request_id, prompt, params or SamplingParams(), lora_request, priority,
+                                              arrival_time)
         self.requests[request_id] = request
         self.scheduler.add(request.seqs[0])
 

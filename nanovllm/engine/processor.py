@@ -77,11 +77,20 @@ class Processor:
         return list(zip(prompts, sampling_params))
 
     def make_request(self, request_id: str, prompt, params: SamplingParams,
-                     lora_request: LoRARequest | None = None) -> Request:
+                     lora_request: LoRARequest | None = None, priority: int = 0,
+                     arrival_time: float | None = None) -> Request:
         """Validate one request. prompt: a string, a list of token ids, or a dict with
         "prompt_token_ids" (and optionally its "prompt" text) or "prompt"; lora_request: its
-        adapter, or None. Raises ValueError. A structured_outputs constraint is validated here
-        (GrammarCompiler; it compiles on a thread pool once the scheduler first considers the request)."""
+        adapter, or None; priority: vLLM's, 0 only (requests are served first come, first served);
+        arrival_time: a number or None (EngineBase.add_request says why it is not used). Raises
+        ValueError. A structured_outputs constraint is validated here (GrammarCompiler; it
+        compiles on a thread pool once the scheduler first considers the request)."""
+        if arrival_time is not None and not isinstance(arrival_time, (int, float)):
+            raise ValueError(f"arrival_time must be a time in seconds (time.time()) or None, got "
+                             f"{type(arrival_time).__name__}; an adapter goes in as lora_request=")
+        if priority:
+            raise ValueError(f"got priority {priority}, but requests are scheduled first come, first served "
+                             f"(there is no priority scheduling); only 0")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()

@@ -28,7 +28,7 @@ class ReplicaRouter(EngineBase):
     def __init__(self, config: Config, num_replicas: int):
         self.config = config
         self.processor = Processor(config)
-        self._pending: list[tuple] = []  # validated (id, prompt, params, lora_request, load) not sent yet
+        self._pending: list[tuple] = []  # validated (id, prompt, params, arrival_time, lora_request, load) not sent yet
         self._owner: dict[str, tuple[int, int]] = {}  # request id -> (replica, load) of every sent, unfinished one
         self._loads = [0] * num_replicas
 
@@ -38,14 +38,14 @@ class ReplicaRouter(EngineBase):
             self.config = replace(self.config, max_model_len=max_model_len)
             self.processor = Processor(self.config)
 
-    def add_request(self, request_id: str, prompt, params, lora_request=None) -> None:
+    def add_request(self, request_id: str, prompt, params, arrival_time=None, lora_request=None, priority=0) -> None:
         if request_id in self._owner or any(r[0] == request_id for r in self._pending):
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
-        request = self.processor.make_request(request_id, prompt, params, lora_request)
+        request = self.processor.make_request(request_id, prompt, params, lora_request, priority, arrival_time)
         prompt = {"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}  # tokenized once
         max_tokens = params.max_tokens or self.config.max_model_len - len(request.prompt_token_ids)
         load = request_load(len(request.prompt_token_ids), max_tokens, params.n)
-        self._pending.append((request_id, prompt, params, lora_request, load))
+        self._pending.append((request_id, prompt, params, arrival_time, lora_request, load))
 
     def get_metrics(self) -> list:
         """Every replica's metric records, each labelled {"engine": its replica's index} (vLLM's label
@@ -74,11 +74,11 @@ class ReplicaRouter(EngineBase):
     def _dispatch(self):
         """Each queued request, largest load first, to the replica with the least outstanding load."""
         batches = [[] for _ in self._loads]
-        for request_id, prompt, params, lora_request, load in sorted(self._pending, key=lambda r: -r[-1]):
+        for *request, load in sorted(self._pending, key=lambda r: -r[-1]):
             i = self._loads.index(min(self._loads))
-            batches[i].append((request_id, prompt, params, lora_request))
+            batches[i].append(tuple(request))  # add_request's arguments, in its order
             self._loads[i] += load
-            self._owner[request_id] = (i, load)
+            self._owner[request[0]] = (i, load)
         self._pending = []
         for i, batch in enumerate(batches):
             if batch:
