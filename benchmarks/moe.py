@@ -1,13 +1,14 @@
-"""The fused-MoE layer alone (kernels/fused_moe.py: routing weights given) at Qwen3-30B-A3B's shapes,
-128 experts of 2048 -> 768 -> 2048, 8 per token, uniform random routing, bf16 (--fp8: float8
-experts). For each token count: microseconds per layer, the bytes it must move (the distinct experts
-its tokens touch, x in and the output out; not the kernels' intermediates) and its FLOPs, the
-layer's roofline (bytes at the measured bandwidth or FLOPs at the measured bf16 matmul rate,
-whichever is longer) and the fraction of it reached; for the default config, the other path, the
-sweep's tilings (--sweep) and a per-expert loop of torch matmuls (moe_method.torch_experts, eager:
-it reads the routing on the host). Each config is first checked against a float32 product. Where the
-default is the sorted path, its layout (moe_align_block_size: counted where it fits, and sorted)
-and its top-k sum (moe_sum, and torch.sum) are timed alone too.
+"""The fused-MoE layer alone from its router's logits (kernels/fused_moe.fused_moe: the top-k
+routing included) at Qwen3-30B-A3B's shapes, 128 experts of 2048 -> 768 -> 2048, 8 per token,
+renormalised, random normal logits (uniform routing), bf16 (--fp8: float8 experts). For each
+token count: microseconds per layer, the bytes it must move (the distinct experts its tokens
+touch, x in and the output out; not the kernels' intermediates) and its FLOPs, the layer's
+roofline (bytes at the measured bandwidth or FLOPs at the measured bf16 matmul rate, whichever is
+longer) and the fraction of it reached; for the default config, the other path, the sweep's
+tilings (--sweep) and a per-expert loop of torch matmuls (moe_method.torch_experts, eager, the
+routing given: it reads the routing on the host). Each config is first checked against a float32
+product. Where the default is the sorted path, its layout (moe_align_block_size: counted where it
+fits, and sorted) and its top-k sum (moe_sum, and torch.sum) are timed alone too.
 
 Timings: a CUDA graph of --layers layers with their own weights (4 x 1.2 GB: weights from HBM,
 not L2), us per layer; the torch loop eagerly over the same layers. The best config per size is
@@ -21,8 +22,8 @@ import torch
 
 from bench import measure_bandwidth, measure_matmul_flops
 from nanovllm.kernels.fp8 import quantize_fp8
-from nanovllm.kernels.fused_moe import MoEConfig, default_config, fused_experts, moe_sum
-from nanovllm.kernels.moe_routing import max_counted_pairs, moe_align_block_size
+from nanovllm.kernels.fused_moe import MoEConfig, default_config, fused_moe, moe_sum
+from nanovllm.kernels.moe_routing import max_counted_pairs, moe_align_block_size, moe_topk
 from nanovllm.layers.moe_method import torch_experts
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
@@ -52,13 +53,6 @@ def layer_weights(layers, inter, fp8, g):
         else:
             out.append((w13, w2, None, None))
     return out
-
-
-def routing(tokens, g):
-    """Uniform routing: each token's TOP_K distinct experts at random, weights summing to 1."""
-    ids = torch.rand(tokens, EXPERTS, device="cuda", generator=g).topk(TOP_K, -1).indices.to(torch.int32)
-    weights = torch.rand(tokens, TOP_K, device="cuda", generator=g) + 0.1
-    return weights / weights.sum(-1, keepdim=True), ids
 
 
 def time_layers(fn, layers, graph=True, reps=20):
@@ -118,14 +112,15 @@ def main():
     best = {}
     for tokens in args.tokens:
         x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
-        topk_weights, topk_ids = routing(tokens, g)
+        logits = torch.randn(tokens, EXPERTS, device="cuda", dtype=torch.bfloat16, generator=g)
+        topk_weights, topk_ids = moe_topk(logits, TOP_K, True)
         touched = topk_ids.unique().numel()
         nbytes = touched * expert_bytes + 2 * tokens * HIDDEN * 2
         flop = 2 * tokens * TOP_K * 3 * HIDDEN * inter
         roof = max(nbytes / bandwidth, flop / flops) * 1e6
         w13, w2, s13, s2 = weights[0]
         exact = torch_experts(x.float(), w13.float(), w2.float(), topk_weights, topk_ids, s13, s2)
-        default = default_config(tokens, TOP_K, EXPERTS, args.fp8)
+        default = default_config(tokens, TOP_K, EXPERTS)
         other = MoEConfig(pairs=not default.pairs) if tokens <= 256 else None
         configs = [default] + ([other] if other else [])
         if args.sweep:
@@ -147,7 +142,7 @@ def main():
         rows = []
         for config in configs:
             try:  # a tiling may not fit this GPU's shared memory
-                got = fused_experts(x, w13, w2, topk_weights, topk_ids, s13, s2, config=config)
+                got = fused_moe(x, logits, w13, w2, TOP_K, True, s13, s2, config=config)
             except Exception as e:  # Triton's OutOfResources and compile errors
                 print(f"{tokens:>6} {describe(config):<34} FAILED: {type(e).__name__}: {str(e)[:80]}")
                 continue
@@ -155,8 +150,8 @@ def main():
             if not err < 2**-6:  # bf16 rounding of h, of each expert's output and of the sum
                 print(f"{tokens:>6} {describe(config):<34} WRONG: max error {err:.3g} of the largest output")
                 continue
-            us = time_layers(lambda i, c=config: fused_experts(x, *weights[i][:2], topk_weights, topk_ids,
-                                                                *weights[i][2:], out=out, config=c), args.layers)
+            us = time_layers(lambda i, c=config: fused_moe(x, logits, *weights[i][:2], TOP_K, True, *weights[i][2:],
+                                                            out=out, config=c), args.layers)
             rows.append((us, config))
             tag = " (default)" if config is default else ""
             print(f"{tokens:>6} {describe(config) + tag:<34} {us:9.1f} {touched:7d} {nbytes / 1e6:8.1f} "

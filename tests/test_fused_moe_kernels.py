@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 from nanovllm.kernels.fp8 import quantize_fp8  # noqa: E402
-from nanovllm.kernels.fused_moe import (MoEConfig, down_pairs, down_sorted, fused_experts, gate_up_pairs,  # noqa: E402
-                                        gate_up_sorted, moe_sum)
+from nanovllm.kernels.fused_moe import (MoEConfig, down_pairs, down_sorted, fused_experts, fused_moe,  # noqa: E402
+                                        gate_up_pairs, gate_up_sorted, moe_sum)
 from nanovllm.kernels.moe_routing import moe_align_block_size, moe_topk  # noqa: E402
 from nanovllm.layers.moe_method import torch_experts  # noqa: E402
 
@@ -97,6 +97,8 @@ def test_moe_topk_matches_torch():
             assert ids.dtype == torch.int32 and weights.dtype == torch.float32
             assert torch.equal(ids.long(), ref_ids)
             torch.testing.assert_close(weights.double(), ref_w, rtol=1e-6, atol=1e-7)
+    tied = torch.tensor([[-1.0, 3.0, -0.5, 3.0, -3.0, 3.0, -0.5]], device=DEVICE)  # ties go to the lower id
+    assert moe_topk(tied, 5, False)[1].tolist() == [[1, 3, 5, 2, 6]]
 
 
 @pytest.mark.parametrize("counted", [True, False])
@@ -196,6 +198,39 @@ def test_fused_experts_and_the_torch_path(num_tokens):
             out = run(x, w13, w2, weights, ids, *scales)
             assert out.shape == x.shape and out.dtype == x.dtype
             assert_close(out, out_ref, out_abs, torch.float32, 48 + 24 + 2)
+
+
+@pytest.mark.parametrize("case", CASES[:2])
+def test_pair_kernel_routes_as_moe_topk(case):
+    """fused_moe from the router's logits: on the pair path its gate/up kernel chooses the experts
+    itself and writes them (ids poisoned -7, weights NaN first) exactly as moe_topk chooses them,
+    taken through the expert map with expert parallelism (no weight for another rank's pairs),
+    and the layer's output equals fused_experts' with moe_topk's choice, bitwise; on the sorted
+    path too."""
+    num_tokens, num_experts, top_k, hidden, inter = case
+    x, w13, w2, scales, _, _ = problem(*case, torch.float16, seed=5)
+    g = torch.Generator().manual_seed(num_tokens)
+    logits = (torch.randn(num_tokens, num_experts + 3, generator=g) * 2).to(DEVICE, torch.float16)[:, 3:]
+    half = torch.full((num_experts,), -1, dtype=torch.int32, device=DEVICE)
+    half[:num_experts // 2] = torch.arange(num_experts // 2, dtype=torch.int32, device=DEVICE)
+    for renormalize in (False, True):
+        want_weights, want_ids = moe_topk(logits, top_k, renormalize)
+        for expert_map in (None, half):
+            local = slice(None) if expert_map is None else slice(0, num_experts // 2)
+            mapped = want_ids if expert_map is None else expert_map[want_ids.long()]
+            ids = torch.full_like(want_ids, -7)
+            weights = torch.full_like(want_weights, float("nan"))
+            h = poisoned(num_tokens * top_k, inter, dtype=torch.float16)
+            gate_up_pairs(x, w13[local], None, ids, PAIRS, out=h, route=(logits, renormalize, weights, expert_map))
+            live = mapped.reshape(-1) >= 0
+            assert torch.equal(ids, mapped) and torch.equal(weights.view(-1)[live], want_weights.view(-1)[live])
+            assert torch.equal(h[live], gate_up_pairs(x, w13[local], None, mapped, PAIRS)[live])
+            for config in (PAIRS, SORTED[0]):
+                out = poisoned(*x.shape, dtype=x.dtype)
+                got = fused_moe(x, logits, w13[local], w2[local], top_k, renormalize, out=out, expert_map=expert_map,
+                                config=config)
+                assert torch.equal(got, fused_experts(x, w13[local], w2[local], want_weights, want_ids,
+                                                      expert_map=expert_map, config=config))
 
 
 @pytest.mark.parametrize("case", CASES)

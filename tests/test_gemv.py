@@ -15,7 +15,7 @@ from nanovllm.kernels.fp8 import quantize_fp8  # noqa: E402
 from nanovllm.kernels import skinny_gemm  # noqa: E402
 from nanovllm.kernels.gemv import gemv, norm_gemv  # noqa: E402
 from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
-from nanovllm.layers.linear import ColumnParallelLinear, norm_linear  # noqa: E402
+from nanovllm.layers.linear import ColumnParallelLinear, norm_linear, norm_linear_input  # noqa: E402
 from nanovllm.layers.linear_method import Fp8LinearMethod, UnquantizedLinearMethod, few_rows  # noqa: E402
 from nanovllm.kernels.skinny_gemm import rms_norm_rows, silu_and_mul_rows, skinny_linear  # noqa: E402
 from nanovllm.distributed.state import TensorParallel  # noqa: E402
@@ -66,7 +66,9 @@ def normed(x, residual, norm_weight, eps):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_norm_gemv_awkward_sizes(has_residual, fp8):
     """RMSNorm(x + residual) fused into the loads, one pass of K (k <= BLOCK_K) or several; the
-    residual sum is returned bit for bit as the model's add rounds it."""
+    residual sum is returned bit for bit as the model's add rounds it, and the normed input written
+    (normed_out, poisoned first) as RMSNorm rounds it, to two roundings where the GPU's rsqrt
+    differs from the CPU's (normed one rounding apart, then rounded again times the norm weight)."""
     g = torch.Generator().manual_seed(10 + has_residual * 2 + fp8)
     for n, k, config in ((37, 100, (4, 64, 4, 2)), (5, 300, (2, 512, 4, 3)), (19, 1000, (8, 256, 4, 2))):
         x, res = (torch.randn(1, k, generator=g) * 3).half(), (torch.randn(1, k, generator=g) * 3).half()
@@ -76,10 +78,12 @@ def test_norm_gemv_awkward_sizes(has_residual, fp8):
         w, scale = quantize_fp8(w) if fp8 else (w.half(), None)
         b = torch.randn(n, generator=g).half()
         dev = [t if t is None else t.to(DEVICE) for t in (x, res, norm_w, w, scale, b)]
-        y, r = norm_gemv(dev[0], dev[1], dev[2], 1e-6, *dev[3:], config=config)
+        normed_out = torch.full_like(dev[0], float("nan"))
+        y, r = norm_gemv(dev[0], dev[1], dev[2], 1e-6, *dev[3:], config=config, normed_out=normed_out)
         a, r_ref = normed(x, res, norm_w, 1e-6)
         ref = reference(a, w, scale, b, False)
         assert torch.equal(r.cpu(), r_ref)
+        torch.testing.assert_close(normed_out.cpu(), a, rtol=2**-9, atol=2**-24)
         assert y.shape == (1, n) and y.dtype == torch.float16
         assert torch.allclose(y.cpu().double(), ref, rtol=2**-10, atol=2**-10 * ref.abs().max().item()), (n, k)
 
@@ -97,7 +101,9 @@ def test_norm_linear_one_row_on_the_gpu(k, n):
 def check_norm_linear(x, res, weight, g):
     """norm_linear(x, residual) with residual None and res, and a random norm weight and bias,
     against RMSNorm then the float64 product to bf16's rounding of the output (2^-8); the residual
-    sum exactly as RMSNorm returns it."""
+    sum exactly as RMSNorm returns it; norm_linear_input's product and residual sum the same and
+    its normed input RMSNorm's to two roundings (its rsqrt is the GEMV's, not the compiled norm's:
+    a value normed one rounding apart, then rounded again times the norm weight)."""
     n, k = weight.shape
     norm = RMSNorm(k).cuda().bfloat16()
     norm.weight.data.normal_(1, 0.2, generator=g)
@@ -110,6 +116,10 @@ def check_norm_linear(x, res, weight, g):
         ref = a.double() @ layer.weight.double().t() + layer.bias.double()
         assert torch.equal(r, r_ref)
         assert torch.allclose(y.double(), ref, rtol=2**-8, atol=2**-8 * ref.abs().max().item())
+        y_in, r_in, a_in = norm_linear_input(x, residual, norm, layer)
+        assert torch.equal(r_in, r)
+        assert torch.allclose(y_in.double(), ref, rtol=2**-8, atol=2**-8 * ref.abs().max().item())
+        torch.testing.assert_close(a_in, a, rtol=2**-6, atol=2**-24)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

@@ -37,7 +37,7 @@ def test_fused_experts_at_qwen3_30b_a3b_sizes(num_tokens, fp8):
     ids = torch.rand(num_tokens, EXPERTS, device="cuda", generator=g).topk(TOP_K, -1).indices.to(torch.int32)
     weights = torch.softmax(torch.randn(num_tokens, TOP_K, device="cuda", generator=g), -1)
     _, _, want, magnitude = reference(x, w13, w2, scales, weights, ids)
-    default = default_config(num_tokens, TOP_K, EXPERTS, fp8)
+    default = default_config(num_tokens, TOP_K, EXPERTS)
     for config in [default] + ([MoEConfig(pairs=not default.pairs)] if num_tokens <= 64 else []):
         out = torch.full((num_tokens, HIDDEN), float("nan"), device="cuda", dtype=torch.bfloat16)
         fused_experts(x, w13, w2, weights, ids, *scales, out=out, config=config)

@@ -59,13 +59,12 @@ def test_triton_kernels_in_the_interpreter(arch, tmp_path_factory, monkeypatch):
     PAIRS_MAX_TOKENS sequences: pairs) through the whole engine, in Triton's interpreter."""
     from nanovllm.kernels import fused_moe
     monkeypatch.setattr(moe_method, "uses_kernels", lambda x: True)
-    monkeypatch.setattr("nanovllm.layers.fused_moe.uses_kernels", lambda x: True)
-    paths, run = [], fused_moe.fused_experts
+    paths, run = [], fused_moe.fused_moe
 
-    def recording(x, *args):
-        paths.append(fused_moe.default_config(x.size(0), args[3].size(1), args[0].size(0)).pairs)
-        return run(x, *args)
-    monkeypatch.setattr(fused_moe, "fused_experts", recording)
+    def recording(x, router_logits, w13, w2, top_k, *args):
+        paths.append(fused_moe.default_config(x.size(0), top_k, router_logits.size(1)).pairs)
+        return run(x, router_logits, w13, w2, top_k, *args)
+    monkeypatch.setattr(fused_moe, "fused_moe", recording)
     path, hf_model = make_tiny_model(arch, tmp_path_factory)
     llm = LLM(path, kvcache_block_size=16, max_num_batched_tokens=24, device="cpu")
     shared = random_prompts([33], seed=5)[0]
@@ -99,21 +98,25 @@ def _hf_block_and_ours(arch, tmp_path_factory, norm_topk_prob=None):
     pytest.param("qwen3_moe", False, True, marks=needs_interpreter),
     pytest.param("mixtral", None, True, marks=needs_interpreter)])
 def test_routing_and_block_match_transformers(arch, norm_topk_prob, kernels, tmp_path_factory, monkeypatch):
-    """select_experts chooses transformers' router's experts with its weights (float32), and the
-    experts' weighted sum equals transformers' sparse block's output, on the torch path and
-    (kernels) the Triton kernels in the interpreter."""
-    from nanovllm.layers.fused_moe import select_experts
+    """select_experts (the torch path) or moe_topk (kernels) chooses transformers' router's experts
+    with its weights (float32), and the experts' weighted sum from the router's logits equals
+    transformers' sparse block's output, on the torch path and (kernels) the Triton kernels in the
+    interpreter: the sorted path, and the pair path, whose first kernel chooses the experts itself."""
+    from nanovllm.kernels.moe_routing import moe_topk
+    from nanovllm.layers.moe_method import select_experts
     if kernels:
         monkeypatch.setattr(moe_method, "uses_kernels", lambda x: True)
-        monkeypatch.setattr("nanovllm.layers.fused_moe.uses_kernels", lambda x: True)
     hf_block, ours = _hf_block_and_ours(arch, tmp_path_factory, norm_topk_prob)
     x = torch.randn(23, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         _, hf_weights, hf_ids = hf_block.gate(x)
-        weights, ids = select_experts(ours.gate(x), ours.top_k, ours.renormalize)
+        logits = ours.gate(x)
+        weights, ids = (moe_topk if kernels else select_experts)(logits, ours.experts.top_k, ours.experts.renormalize)
         assert torch.equal(ids.long(), hf_ids)
         torch.testing.assert_close(weights, hf_weights.float(), rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(ours.experts(x, weights, ids), hf_block(x[None])[0], rtol=1e-5, atol=1e-5)
+        want = hf_block(x[None])[0]
+        torch.testing.assert_close(ours.experts(x, logits), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours.experts(x[:3], logits[:3]), want[:3], rtol=1e-5, atol=1e-5)
 
 
 def _save(path, tensors, config):

@@ -1,13 +1,15 @@
 """The experts of a mixture-of-experts layer (SwiGLU experts, as Qwen3-MoE's and Mixtral's) as two
 Triton GEMMs: h = silu(x W_gate^T) * (x W_up^T) per token-expert pair, then each token's routing-
-weighted sum over its top-k experts of h W_down^T. fused_experts picks one of two paths by size.
+weighted sum over its top-k experts of h W_down^T. fused_experts picks one of two paths by size;
+fused_moe, the layer from its router's logits, chooses the experts first (moe_routing.moe_topk).
 
 Pairs (few tokens: a decode step of a few sequences): one program per (pair, output tile) for the
 gate/up product and per (token, output tile) for the down product, whose tile holds all the
 token's experts, so that their weight loads are in flight together, and sums their products in
 registers: no sort, no padding, no intermediate [pairs, hidden] tensor, two launches (with
-programmatic dependent launch, pdl.py, as the GEMVs). Each
-pair reads its expert's weights, so an expert chosen by two of the step's tokens is read twice
+programmatic dependent launch, pdl.py, as the GEMVs), the first of which chooses each pair's
+expert from the logits itself (fused_moe), where moe_topk would be a third. Each pair reads its
+expert's weights, so an expert chosen by two of the step's tokens is read twice
 (from L2 the second time, when the two run together): a cost that grows with the batch, which
 is why larger steps take the other path.
 
@@ -35,7 +37,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.gemv import widen
-from nanovllm.kernels.moe_routing import max_padded_slots, moe_align_block_size
+from nanovllm.kernels.moe_routing import max_padded_slots, moe_align_block_size, moe_topk, topk_ids, topk_weights
 from nanovllm.kernels.pdl import pdl_args, pdl_start
 
 
@@ -47,8 +49,8 @@ class MoEConfig:
     product's weight rows per program and K step (None: the whole K, up to 2048, in one step);
     down_n, down_k: its down product's rows per program and K step, for all of a token's experts in
     one tile; pair_stages: the software pipeline's stages of both K loops (a step's loads issued
-    while the one before is summed); pair_warps: both kernels' warps. The defaults are bf16's
-    fastest at one token (default_config says where from)."""
+    while the one before is summed); pair_warps: both kernels' warps. The defaults are the fastest
+    at one token (default_config says where from)."""
     pairs: bool = False
     block_m: int = 16
     block_n: int = 64
@@ -56,11 +58,11 @@ class MoEConfig:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    pair_n: int = 8
-    pair_k: int | None = 512
+    pair_n: int = 16
+    pair_k: int | None = 256
     pair_warps: int = 4
-    down_n: int = 8
-    down_k: int = 128
+    down_n: int = 4
+    down_k: int = 256
     pair_stages: int = 3
 
 
@@ -70,18 +72,21 @@ class MoEConfig:
 PAIRS_MAX_TOKENS = 8
 
 
-def default_config(num_tokens: int, top_k: int, num_experts: int, fp8: bool = False) -> MoEConfig:
+def default_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
     """The tiles for a step of num_tokens tokens: the pair path for a few tokens; then tiles that
     grow with the pairs per expert (num_tokens * top_k / num_experts). Chosen with benchmarks/moe.py
     --sweep on an H100 at Qwen3-30B-A3B's shapes (128 experts, top 8), the fastest per size, us
     per layer: 64 tokens 433 (16-row tiles), 256 tokens 455 (32-row tiles), 4096 tokens 939 (128 x
     128 tiles, 8 warps; 64 x 128 tiles: 1055). The pair path's two kernels timed apart (H100, one
-    token; bf16 and fp8 defaults): gate/up 19.2 and 11.4 us, down 11.0 and 6.6 us; 4 warps beat 8,
-    and three pipeline stages beat one by 1 us on fp8's gate/up. vLLM keeps such choices as tuned
-    JSON per GPU and shape; one rule by pairs per expert stands in for them until another GPU or
-    shape measures differently."""
+    token; bf16 and fp8): gate/up 19.2 and 11.4 us, down 11.0 and 6.6 us; 4 warps beat 8, and three
+    pipeline stages beat one by 1 us on fp8's gate/up. One pair tiling for both dtypes, fp8's: with
+    the routing inside the gate/up kernel, bf16 at one token 29.5 -> 26.7 us a layer and 8 tokens
+    133.5 -> 125.4 against its former 8 rows of 512-wide steps (H200, benchmarks/moe.py --sweep),
+    whose 768 programs take two waves to choose the experts where 384 take one. vLLM keeps such
+    choices as tuned JSON per GPU and shape; one rule by pairs per expert stands in for them until
+    another GPU or shape measures differently."""
     if num_tokens <= PAIRS_MAX_TOKENS:
-        return MoEConfig(pairs=True, pair_n=16, pair_k=256, down_n=4, down_k=256) if fp8 else MoEConfig(pairs=True)
+        return MoEConfig(pairs=True)
     per_expert = num_tokens * top_k / num_experts
     if per_expert <= 8:
         return MoEConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=3)
@@ -96,16 +101,35 @@ def _silu_mul(gate, up):
 
 
 @triton.jit
-def moe_gate_up_pairs_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, N, K, TOP_K: tl.constexpr,
-                             HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def moe_gate_up_pairs_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, N, K, logits_ptr, logits_stride, E, map_ptr,
+                             weights_ptr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, ROUTE: tl.constexpr,
+                             RENORMALIZE: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_E: tl.constexpr,
+                             TOP_K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                              STAGES: tl.constexpr, PDL: tl.constexpr):
     """Grid (num_pairs, cdiv(N, BLOCK_N)): h[p, n] = silu(x[t] . gate_e[n]) * (x[t] . up_e[n]) for
     pair p = t * TOP_K + j of expert e = ids[p], over this program's BLOCK_N columns n; x [T, K],
     w [E, 2N, K], h [num_pairs, N]; products summed in float32 (as a GEMV: one row). A pair of
-    expert -1 is skipped (its row of h is left as it was: down_pairs does not read it)."""
+    expert -1 is skipped (its row of h is left as it was: down_pairs does not read it).
+
+    ROUTE: the program chooses e itself, token t's j-th expert by moe_routing.topk_ids of logits
+    [T, E] (rows logits_stride apart), taken through map [E] int32 with HAS_MAP (expert
+    parallelism); the programs of the first column write e to ids [num_pairs] int32 and, after
+    their product, the routing weight (moe_routing.topk_weights) to weights [num_pairs] float32
+    for down_pairs (not for a skipped pair, whose weight down_pairs does not read). Every program
+    of the token makes the same choice: a launch fewer than moe_topk before this kernel."""
     pdl_start(PDL)
     pair, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if ROUTE:
+        logits, ids, chosen = topk_ids(logits_ptr + (pair // TOP_K).to(tl.int64) * logits_stride, E, TOP_K, BLOCK_E,
+                                       TOP_K_P2)
+        mine = tl.arange(0, TOP_K_P2) == pair % TOP_K
+        expert = tl.sum(tl.where(mine, ids, 0), 0)
+        if HAS_MAP:
+            expert = tl.load(map_ptr + expert)
+        tl.store(ids_ptr + pair, expert, mask=pid_n == 0)
+        expert = expert.to(tl.int64)
+    else:
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
     if expert < 0:
         return
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -124,6 +148,9 @@ def moe_gate_up_pairs_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, N, K, TOP_
         gate *= tl.load(scale_ptr + expert * 2 * N + rn, mask=rn < N, other=0.0)
         up *= tl.load(scale_ptr + expert * 2 * N + N + rn, mask=rn < N, other=0.0)
     tl.store(h_ptr + pair.to(tl.int64) * N + rn, _silu_mul(gate, up).to(h_ptr.dtype.element_ty), mask=rn < N)
+    if ROUTE:  # the weight after the product: off the path to the first weight loads
+        tl.store(weights_ptr + pair, tl.sum(tl.where(mine, topk_weights(logits, chosen, RENORMALIZE), 0.0), 0),
+                 mask=pid_n == 0)
 
 
 @triton.jit
@@ -267,14 +294,21 @@ def _pair_k(config: MoEConfig, k: int) -> int:
     return config.pair_k or min(triton.next_power_of_2(k), 2048)
 
 
-def gate_up_pairs(x, w13, w13_scale, topk_ids, config: MoEConfig, out=None) -> torch.Tensor:
-    """The pair path's first GEMM: h [num_pairs, N] in x's dtype (see moe_gate_up_pairs_kernel)."""
+def gate_up_pairs(x, w13, w13_scale, topk_ids, config: MoEConfig, out=None, route=None) -> torch.Tensor:
+    """The pair path's first GEMM: h [num_pairs, N] in x's dtype (see moe_gate_up_pairs_kernel).
+    route: (router_logits [T, E], renormalize, topk_weights [T, k] float32, expert_map or None) to
+    choose the experts in the kernel (its ROUTE), which writes topk_ids and topk_weights."""
     num_pairs, n = topk_ids.numel(), w13.size(1) // 2
     h = out if out is not None else torch.empty(num_pairs, n, dtype=x.dtype, device=x.device)
+    logits, renormalize, weights, expert_map = route or (x, False, x, None)
     moe_gate_up_pairs_kernel[(num_pairs, triton.cdiv(n, config.pair_n))](
-        x, w13, w13_scale, topk_ids, h, n, x.size(1), TOP_K=topk_ids.size(1), HAS_SCALE=w13_scale is not None,
-        BLOCK_N=config.pair_n, BLOCK_K=_pair_k(config, x.size(1)), STAGES=config.pair_stages,
-        num_warps=config.pair_warps, **pdl_args(x.device))
+        x, w13, w13_scale, topk_ids, h, n, x.size(1), logits, logits.stride(0), logits.size(1),
+        expert_map if expert_map is not None else topk_ids, weights, TOP_K=topk_ids.size(1),
+        HAS_SCALE=w13_scale is not None, ROUTE=route is not None, RENORMALIZE=renormalize,
+        HAS_MAP=expert_map is not None, BLOCK_E=triton.next_power_of_2(logits.size(1)),
+        TOP_K_P2=triton.next_power_of_2(topk_ids.size(1)), BLOCK_N=config.pair_n,
+        BLOCK_K=_pair_k(config, x.size(1)), STAGES=config.pair_stages, num_warps=config.pair_warps,
+        **pdl_args(x.device))
     return h
 
 
@@ -328,12 +362,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     [num_experts] int32, each id's expert in w13/w2 or -1 (another rank's: its pairs count 0).
     Returns [T, H] in x's dtype, written to out when given (rows may be strided: a
     tensor-parallel partial-sums buffer). config: the path and tiles (default_config(T, k,
-    num_experts, fp8) when None)."""
+    num_experts) when None)."""
     num_tokens, hidden = x.shape
     if expert_map is not None:
         topk_ids = expert_map[topk_ids]
     num_experts = w13.size(0) if expert_map is None else expert_map.numel()  # pairs per expert: of all experts
-    config = config or default_config(num_tokens, topk_ids.size(1), num_experts, w13_scale is not None)
+    config = config or default_config(num_tokens, topk_ids.size(1), num_experts)
     out = out if out is not None else torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
@@ -345,3 +379,25 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     skipped = None if expert_map is None else torch.zeros(topk_ids.numel(), hidden, dtype=x.dtype, device=x.device)
     y = down_sorted(h, w2, w2_scale, topk_weights, align, config, out=skipped)  # skipped pairs' rows stay 0
     return moe_sum(y, out)
+
+
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+              renormalize: bool, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              out: torch.Tensor | None = None, expert_map: torch.Tensor | None = None,
+              config: MoEConfig | None = None) -> torch.Tensor:
+    """A mixture-of-experts layer's output from its router's logits: each token's top_k experts as
+    moe_routing.moe_topk chooses them (renormalize: Qwen3-MoE's norm_topk_prob; Mixtral always),
+    then fused_experts. router_logits [T, E] (any float dtype, rows may be strided; E all the
+    experts, expert_map's length with expert parallelism); the rest as fused_experts. On the pair
+    path the gate/up kernel chooses the experts itself: two launches where moe_topk made three."""
+    num_tokens = x.size(0)
+    config = config or default_config(num_tokens, top_k, router_logits.size(1))
+    if not config.pairs or num_tokens == 0:
+        weights, ids = moe_topk(router_logits, top_k, renormalize)
+        return fused_experts(x, w13, w2, weights, ids, w13_scale, w2_scale, out, expert_map, config)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=x.device)
+    out = out if out is not None else torch.empty_like(x)
+    route = (router_logits, renormalize, weights, expert_map)
+    h = gate_up_pairs(x.contiguous(), w13, w13_scale, ids, config, route=route)
+    return down_pairs(h, w2, w2_scale, ids, weights, out, config)

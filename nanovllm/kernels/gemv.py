@@ -22,10 +22,11 @@ from nanovllm.kernels.pdl import pdl_args
 
 
 @triton.jit
-def _input(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, offs, K, inv_rms, res_cols, GATED: tl.constexpr,
-           NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _input(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, normed_ptr, offs, K, inv_rms, res_cols, GATED: tl.constexpr,
+           NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_NORMED: tl.constexpr):
     """The product's input a[offs] in float32, rounded to x's dtype where the torch layers round it
-    (see gemv_kernel); x + residual is written to res_out where offs < res_cols."""
+    (see gemv_kernel); x + residual is written to res_out, and with STORE_NORMED a to normed,
+    where offs < res_cols."""
     mask = offs < K
     if GATED:
         gate = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -36,7 +37,10 @@ def _input(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, offs, K, inv_rms, res_cols, 
         if HAS_RESIDUAL:  # a mask, not a branch on the program id: the loop stays one basic block
             tl.store(res_out_ptr + offs, r, mask=offs < res_cols)
         normed = (r.to(tl.float32) * inv_rms).to(r.dtype).to(tl.float32)
-        a = (normed * tl.load(norm_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(r.dtype).to(tl.float32)
+        a = (normed * tl.load(norm_w_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(r.dtype)
+        if STORE_NORMED:
+            tl.store(normed_ptr + offs, a, mask=offs < res_cols)
+        a = a.to(tl.float32)
     else:
         a = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     return a
@@ -62,9 +66,9 @@ def widen(w, SCALED: tl.constexpr):
 
 
 @triton.jit
-def _dot_rows(x_ptr, w_ptr, rn, N, K, eps, res_ptr, norm_w_ptr, res_out_ptr, res_cols, SCALED: tl.constexpr,
-              GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _dot_rows(x_ptr, w_ptr, rn, N, K, eps, res_ptr, norm_w_ptr, res_out_ptr, normed_ptr, res_cols,
+              SCALED: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+              STORE_NORMED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """(w [N, K] @ a)[rn] in float32 [BLOCK_N], rows past N 0 (gemv_kernel says what a is). With
     PDL the first weight tile is loaded before the wait for the previous kernel."""
     rk = tl.arange(0, BLOCK_K)
@@ -80,13 +84,14 @@ def _dot_rows(x_ptr, w_ptr, rn, N, K, eps, res_ptr, norm_w_ptr, res_out_ptr, res
             r = _residual_sum(x_ptr, res_ptr, k + rk, K, HAS_RESIDUAL).to(tl.float32)
             sq += r * r
         inv_rms = tl.rsqrt(tl.sum(sq, 0) / K + eps)
-    a = _input(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, rk, K, inv_rms, res_cols, GATED, NORM, HAS_RESIDUAL)
+    a = _input(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, normed_ptr, rk, K, inv_rms, res_cols, GATED, NORM,
+               HAS_RESIDUAL, STORE_NORMED)
     acc = widen(w, SCALED) * a[None, :]
     for k in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
         w = tl.load(w_ptrs, mask=(rn[:, None] < N) & (k + rk[None, :] < K), other=0.0)
-        a = _input(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, k + rk, K, inv_rms, res_cols, GATED, NORM,
-                   HAS_RESIDUAL)
+        a = _input(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, normed_ptr, k + rk, K, inv_rms, res_cols, GATED, NORM,
+                   HAS_RESIDUAL, STORE_NORMED)
         acc += widen(w, SCALED) * a[None, :]
     return tl.sum(acc, 1)
 
@@ -115,18 +120,18 @@ def _lora_delta(y, b, words, ptrs, mask):
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, lora_a_ptr, lora_b_ptr,
-                tiles_ptr, s_ptr, N, K, eps, SR, s_words, R, B1, B2, lora_programs, SCALED: tl.constexpr,
+def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, normed_ptr, lora_a_ptr,
+                lora_b_ptr, tiles_ptr, s_ptr, N, K, eps, SR, s_words, R, B1, B2, lora_programs, SCALED: tl.constexpr,
                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                LORA: tl.constexpr, COPIES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+                STORE_NORMED: tl.constexpr, LORA: tl.constexpr, COPIES: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     """Grid (lora_programs + cdiv(N, BLOCK_N),): y [N] = (w [N, K] @ a) * scale + bias, one program
     per BLOCK_N rows of w streamed along K (contiguous loads, products in float32, summed along K
     once at the end; no tensor cores). a = x [K]; with GATED silu(x[:K]) * x[K:] for x [2K],
     rounded to x's dtype as silu_and_mul rounds it; with NORM RMSNorm(r) * norm_w for r = x +
-    residual (HAS_RESIDUAL, summed in x's dtype; program 0 writes it to res_out) or r = x, as
-    layernorm.RMSNorm rounds it: the mean of r^2 in float32 over a first pass of r. scale [N]
-    float32 (float8 weights: W = w * scale per row). With PDL the first weight tile is loaded
+    residual (HAS_RESIDUAL, summed in x's dtype; program 0 writes it to res_out, and a to normed
+    with STORE_NORMED) or r = x, as layernorm.RMSNorm rounds it: the mean of r^2 in float32 over a
+    first pass of r. scale [N] float32 (float8 weights: W = w * scale per row). With PDL the first weight tile is loaded
     before the wait for the previous kernel, everything that kernel may write after it.
 
     LORA: the row's adapter (slot = tiles[0], -1 none; layers/lora.py's mapping) in the same
@@ -154,7 +159,8 @@ def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, res_ptr, norm_w_ptr, r
     if shrink:
         rs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         s = _dot_rows(x_ptr, lora_a_ptr + tl.maximum(slot, 0).to(tl.int64) * SR * K, rs, SR, K, eps, res_ptr,
-                      norm_w_ptr, res_out_ptr, res_cols, False, GATED, NORM, HAS_RESIDUAL, BLOCK_N, BLOCK_K, PDL)
+                      norm_w_ptr, res_out_ptr, normed_ptr, res_cols, False, GATED, NORM, HAS_RESIDUAL, STORE_NORMED,
+                      BLOCK_N, BLOCK_K, PDL)
         if slot >= 0:
             copies = tl.arange(0, COPIES)
             words = (s.to(lora_a_ptr.dtype.element_ty).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | 0x10000
@@ -167,8 +173,8 @@ def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, res_ptr, norm_w_ptr, r
                         mask=(rn[:, None] < N * (slot >= 0).to(tl.int32)) & (r[None, :] < R), other=0.0)
             s_ptrs, s_mask = _shrink_words(s_ptr + (pid % COPIES) * s_words, rn, N, R, B1, B2, BLOCK_R)
             words = tl.load(s_ptrs, mask=s_mask, other=0x10000, volatile=True)  # there for programs of later waves
-        y = _dot_rows(x_ptr, w_ptr, rn, N, K, eps, res_ptr, norm_w_ptr, res_out_ptr, res_cols, SCALED, GATED, NORM,
-                      HAS_RESIDUAL, BLOCK_N, BLOCK_K, PDL)
+        y = _dot_rows(x_ptr, w_ptr, rn, N, K, eps, res_ptr, norm_w_ptr, res_out_ptr, normed_ptr, res_cols, SCALED,
+                      GATED, NORM, HAS_RESIDUAL, STORE_NORMED, BLOCK_N, BLOCK_K, PDL)
         if SCALED:
             y *= tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
         if HAS_BIAS:
@@ -225,13 +231,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | Non
 
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
               weight: torch.Tensor, weight_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-              config: tuple[int, int, int, int] | None = None,
-              lora: GemvLoRA | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              config: tuple[int, int, int, int] | None = None, lora: GemvLoRA | None = None,
+              normed_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv(RMSNorm(r) * norm_weight) and r, for r = x + residual [..., K] (x alone when residual is
-    None; one row, x's dtype) as layernorm.RMSNorm computes it: (y [..., N], r [..., K])."""
+    None; one row, x's dtype) as layernorm.RMSNorm computes it: (y [..., N], r [..., K]); the
+    normed input RMSNorm(r) * norm_weight written to normed_out (contiguous, x's shape) when given."""
     x = x.contiguous()
     r = x if residual is None else torch.empty_like(x)
-    y = _launch(x, weight, weight_scale, bias, config, norm=(residual, norm_weight, eps, r), lora=lora)
+    assert normed_out is None or (normed_out.is_contiguous() and normed_out.shape == x.shape)
+    y = _launch(x, weight, weight_scale, bias, config, norm=(residual, norm_weight, eps, r, normed_out), lora=lora)
     return y, r
 
 
@@ -239,7 +247,7 @@ def _launch(x, weight, weight_scale, bias, config, gated=False, norm=None, out=N
     n, k = weight.shape
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device) if out is None else out
-    residual, norm_weight, eps, res_out = norm or (None, None, 0.0, None)
+    residual, norm_weight, eps, res_out, normed = norm or (None, None, 0.0, None, None)
     block_n, block_k, warps, stages = config or gemv_config(k, weight.dtype)
     sr, rank, programs, b1, b2, copies, words = 0, 0, 0, n, n, 1, 0
     if lora is not None:
@@ -253,9 +261,11 @@ def _launch(x, weight, weight_scale, bias, config, gated=False, norm=None, out=N
     gemv_kernel[(programs + triton.cdiv(n, block_n),)](
         x, weight, weight if weight_scale is None else weight_scale, weight if bias is None else bias, y,
         x if residual is None else residual.contiguous(), x if norm is None else norm_weight,
-        x if res_out is None else res_out, *(x,) * 4 if lora is None else (lora.lora_a, lora.lora_b, lora.tiles, lora.s),
+        x if res_out is None else res_out, x if normed is None else normed,
+        *(x,) * 4 if lora is None else (lora.lora_a, lora.lora_b, lora.tiles, lora.s),
         n, k, eps, sr, words, rank, b1, b2, programs,
         SCALED=weight_scale is not None, HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None, LORA=lora is not None, COPIES=copies, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_RESIDUAL=residual is not None, STORE_NORMED=normed is not None, LORA=lora is not None, COPIES=copies,
+        BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_R=triton.next_power_of_2(max(rank, 1)), num_warps=warps, num_stages=stages, **pdl_args(x.device))
     return y

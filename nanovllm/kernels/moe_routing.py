@@ -23,28 +23,55 @@ from nanovllm.kernels.pdl import pdl_args, pdl_start
 
 
 @triton.jit
-def moe_topk_kernel(logits_ptr, stride, weights_ptr, ids_ptr, E, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """Grid (num_tokens,): a token's softmax over its E logits (float32), its TOP_K largest
-    probabilities (ties to the lower expert id) in descending order, divided by their sum with
-    RENORMALIZE; weights [num_tokens, TOP_K] float32, ids [num_tokens, TOP_K] int32."""
-    pdl_start(PDL)
-    row = tl.program_id(0).to(tl.int64)
+def topk_ids(logits_ptr, E, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A token's choice of experts from its E logits at logits_ptr: (x [BLOCK_E] its logits in
+    float32, ids [BLOCK_K] int32 of the TOP_K largest in descending order (ties to the lower
+    expert id), chosen [BLOCK_K] their logits; slots past TOP_K: id 0, logit -inf). Ranked by
+    logit, as softmax is monotonic, so the choice waits for no sum (where two probabilities round
+    equal, the larger logit comes first). Each choice is one max over keys (the logit's bits made
+    to order as the logit does, above BLOCK_E - 1 - id): one reduction where a max and then the
+    lowest id of that max took two."""
     offs = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + row * stride + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
-    p = tl.exp(x - tl.max(x, 0))
-    p = tl.where(offs < E, p / tl.sum(p, 0), -1.0)  # padding below every probability
+    x = tl.load(logits_ptr + offs, mask=offs < E, other=-float("inf")).to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # a negative float's bits order backwards (its own inverse)
+    keys = (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - offs)
+    keys = tl.where(offs < E, keys, -2**63)  # padding below every logit
     slots = tl.arange(0, BLOCK_K)
-    values = tl.zeros([BLOCK_K], tl.float32)
     ids = tl.zeros([BLOCK_K], tl.int32)
+    chosen = tl.full([BLOCK_K], -float("inf"), tl.float32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(p, 0)
-        expert = tl.min(tl.where(p == best, offs, BLOCK_E), 0)
-        values = tl.where(slots == j, best, values)
+        best = tl.max(keys, 0)
+        expert = BLOCK_E - 1 - (best & (BLOCK_E - 1)).to(tl.int32)
         ids = tl.where(slots == j, expert, ids)
-        p = tl.where(offs == expert, -2.0, p)
+        top = (best >> 32).to(tl.int32)
+        chosen = tl.where(slots == j, (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True), chosen)
+        keys = tl.where(offs == expert, -2**63, keys)
+    return x, ids, chosen
+
+
+@triton.jit
+def topk_weights(x, chosen, RENORMALIZE: tl.constexpr):
+    """The routing weights of topk_ids' choice (x, chosen: its logits and the chosen ones'): each
+    chosen expert's softmax probability, exp(logit - max) / sum(exp(x - max)) in float32, divided
+    by their sum with RENORMALIZE; [BLOCK_K], slots past TOP_K 0."""
+    m = tl.max(chosen, 0)
+    values = tl.exp(chosen - m) / tl.sum(tl.exp(x - m), 0)
     if RENORMALIZE:
         values = values / tl.sum(values, 0)
+    return values
+
+
+@triton.jit
+def moe_topk_kernel(logits_ptr, stride, weights_ptr, ids_ptr, E, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Grid (num_tokens,): a token's routing (topk_ids, topk_weights) to weights [num_tokens, TOP_K]
+    float32 and ids [num_tokens, TOP_K] int32."""
+    pdl_start(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    x, ids, chosen = topk_ids(logits_ptr + row * stride, E, TOP_K, BLOCK_E, BLOCK_K)
+    values = topk_weights(x, chosen, RENORMALIZE)
+    slots = tl.arange(0, BLOCK_K)
     tl.store(weights_ptr + row * TOP_K + slots, values, mask=slots < TOP_K)
     tl.store(ids_ptr + row * TOP_K + slots, ids, mask=slots < TOP_K)
 

@@ -1,5 +1,5 @@
-"""A mixture-of-experts layer's experts, stacked (FusedMoE), and its router's choice of experts
-(select_experts).
+"""A mixture-of-experts layer's experts, stacked (FusedMoE), which take the router's logits and
+choose each token's experts themselves (vLLM's interface; moe_method.select_experts).
 
 FusedMoE holds its experts' SwiGLU weights in two tensors, w13_weight [E, 2N, H] (each expert's
 gate rows, then its up rows) and w2_weight [E, H, N], which the kernels index by expert. With
@@ -18,37 +18,21 @@ import torch
 from torch import nn
 
 from nanovllm.distributed.state import TensorParallel
-from nanovllm.layers.moe_method import MoEMethod, uses_kernels
-
-
-def select_experts(router_logits: torch.Tensor, top_k: int,
-                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's experts as transformers' routers choose them (Qwen3-MoE, Mixtral): softmax of
-    the router's logits [T, E] (computed in the model dtype) in float32, the top_k largest
-    probabilities, divided by their sum with `renormalize` (norm_topk_prob; Mixtral always).
-    Returns (topk_weights [T, top_k] float32, topk_ids [T, top_k] int32), largest first. On CUDA one
-    kernel (kernels/moe_routing.moe_topk); the weights stay float32 where transformers' Qwen3-MoE
-    rounds them to the model dtype."""
-    if uses_kernels(router_logits):
-        from nanovllm.kernels.moe_routing import moe_topk
-        return moe_topk(router_logits, top_k, renormalize)
-    weights, ids = torch.softmax(router_logits, -1, dtype=torch.float32).topk(top_k, -1)
-    if renormalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return weights, ids.to(torch.int32)
+from nanovllm.layers.moe_method import MoEMethod
 
 
 class FusedMoE(nn.Module):
     """num_experts SwiGLU experts of intermediate_size each over hidden_size features, top_k per
-    token. forward(x [T, H], topk_weights [T, top_k] float32, topk_ids [T, top_k] int32, out) ->
-    [T, H] in x's dtype: sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) (this rank's
-    partial sums with tensor parallelism), written to out when given. With tp.expert_parallel
-    (and more than one rank) this rank holds num_local_experts whole experts from first_expert
-    on; expert_map [num_experts] int32 gives each expert's index here, -1 for another rank's
-    (None without expert parallelism). ValueError when the ranks do not divide num_experts."""
+    token. forward(x [T, H], router_logits [T, num_experts], out) -> [T, H] in x's dtype:
+    sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for the router's choice
+    (select_experts; renormalize: the top-k weights divided by their sum) (this rank's partial
+    sums with tensor parallelism), written to out when given. With tp.expert_parallel (and more
+    than one rank) this rank holds num_local_experts whole experts from first_expert on;
+    expert_map [num_experts] int32 gives each expert's index here, -1 for another rank's (None
+    without expert parallelism). ValueError when the ranks do not divide num_experts."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, tp: TensorParallel,
-                 quant_method: MoEMethod | None = None):
+                 renormalize: bool, quant_method: MoEMethod | None = None):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
@@ -57,7 +41,7 @@ class FusedMoE(nn.Module):
             raise ValueError(f"enable_expert_parallel needs tensor_parallel_size={tp.size} to divide "
                              f"num_experts={num_experts}")
         self.quant_method = quant_method or MoEMethod()
-        self.num_experts, self.top_k = num_experts, top_k
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.num_local_experts = num_experts // tp.size if expert_parallel else num_experts
         self.first_expert = tp.rank * self.num_local_experts if expert_parallel else 0
         # the ranks that split each expert's intermediate dimension, and this one's place among them
@@ -94,6 +78,5 @@ class FusedMoE(nn.Module):
         rows = param.data[local] if shard_id is None else param.data[local].narrow(0, shard_id * n, n)
         rows.copy_(loaded.narrow(dim, self.split_rank * n, n))
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.quant_method.apply(self, x, topk_weights, topk_ids, out)
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.quant_method.apply(self, x, router_logits, out)

@@ -30,6 +30,17 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
     return layer.quant_method.apply_norm(layer, x, residual, norm)
 
 
+def norm_linear_input(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                      layer: "LinearBase") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """norm_linear's (layer(norm(r)), r) and norm(r) itself, for a block whose other products read
+    it too: a mixture of experts' router, then its experts. One launch for a row on CUDA
+    (UnquantizedLinearMethod.apply_norm_input)."""
+    if layer.tp_size > 1:
+        normed, residual = residual_norm(x, residual, norm, layer.group)
+        return layer(normed), residual, normed
+    return layer.quant_method.apply_norm_input(layer, x, residual, norm)
+
+
 class LinearBase(nn.Module):
     """y = x W^T + b with W: [output_size, input_size]; `tp_dim` is the dim that is sharded (None:
     replicated). quant_method computes the products and decides what W is once loaded

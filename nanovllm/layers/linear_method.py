@@ -3,10 +3,11 @@
 A LinearMethod is chosen when the model is built (linear_method(quantization)) and owns what the
 layer's weight is once loaded (process_weights_after_loading) and the products: apply (x W^T + b,
 SwiGLU's gate optionally fused in front) and apply_norm (a pre-norm block's first product, the
-RMSNorm and residual add fused in front). Each method picks its kernels by the step's shape:
-bf16/fp16 on CUDA, one row (a decode step of one sequence) takes kernels/gemv.py, 2 to
-SKINNY_MAX_ROWS rows kernels/skinny_gemm.py, more rows cuBLAS. Quantization, adapters or experts
-plug in as another method (or a wrapper of one) without touching the layers or the models.
+RMSNorm and residual add fused in front; apply_norm_input also returns the normed input). Each
+method picks its kernels by the step's shape: bf16/fp16 on CUDA, one row (a decode step of one
+sequence) takes kernels/gemv.py, 2 to SKINNY_MAX_ROWS rows kernels/skinny_gemm.py, more rows cuBLAS.
+Quantization, adapters or experts plug in as another method (or a wrapper of one) without touching
+the layers or the models.
 """
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,14 @@ class LinearMethod:
         x, residual = norm_rows(x, residual, norm)
         return self.apply(layer, x, layer.bias), residual
 
+    def apply_norm_input(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                         norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """apply_norm's (product, r) and the product's input norm(r) [num_tokens, hidden_size] too, for
+        a block whose other products read it (the experts after their router). Unfused: the norm,
+        then apply."""
+        normed, residual = norm_rows(x, residual, norm)
+        return self.apply(layer, normed, layer.bias), residual, normed
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """Weights in the model dtype."""
@@ -102,6 +111,14 @@ class UnquantizedLinearMethod(LinearMethod):
             from nanovllm.kernels.gemv import norm_gemv
             return norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, None, layer.bias)
         return super().apply_norm(layer, x, residual, norm)
+
+    def apply_norm_input(self, layer, x, residual, norm):
+        if one_row(x):  # one GEMV kernel, whose first program writes the normed input as it reads it
+            from nanovllm.kernels.gemv import norm_gemv
+            normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            y, r = norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, None, layer.bias, normed_out=normed)
+            return y, r, normed
+        return super().apply_norm_input(layer, x, residual, norm)
 
 
 class Fp8LinearMethod(LinearMethod):

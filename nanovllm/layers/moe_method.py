@@ -1,10 +1,10 @@
 """How a FusedMoE layer's experts are computed: the experts' seam, as linear_method.py is the linear
-layers'. A MoEMethod is chosen when the model is built (moe_method, from the linear layers'
-method, so that quantization="fp8" quantizes the experts too) and owns what the stacked expert
-weights are once loaded (process_weights_after_loading) and the product (apply). On CUDA the
-Triton kernels of kernels/fused_moe.py run it; elsewhere torch_experts, a loop over the experts
-hit as transformers' modules compute it (the CPU path, and the reference the engine's CPU tests
-compare with transformers).
+layers'. A MoEMethod is chosen when the model is built (moe_method, from the linear layers' method,
+so that quantization="fp8" quantizes the experts too) and owns what the stacked expert weights are
+once loaded (process_weights_after_loading) and the product from the router's logits (apply). On
+CUDA the Triton kernels of kernels/fused_moe.py run it; elsewhere select_experts and torch_experts,
+a loop over the experts hit as transformers' modules compute it (the CPU path, and the reference the
+engine's CPU tests compare with transformers).
 """
 import torch
 import torch.nn.functional as F
@@ -20,23 +20,40 @@ def uses_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
+def select_experts(router_logits: torch.Tensor, top_k: int,
+                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts as transformers' routers choose them (Qwen3-MoE, Mixtral), in torch (the
+    CPU path; on CUDA kernels/moe_routing.topk_ids and topk_weights): softmax of the router's
+    logits [T, E] (computed in the model dtype) in float32, the top_k largest probabilities,
+    divided by their sum with `renormalize` (norm_topk_prob; Mixtral always). Returns
+    (topk_weights [T, top_k] float32, topk_ids [T, top_k] int32), largest first; the weights stay
+    float32 where transformers' Qwen3-MoE rounds them to the model dtype."""
+    weights, ids = torch.softmax(router_logits, -1, dtype=torch.float32).topk(top_k, -1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
 class MoEMethod:
     """Experts in the model dtype: w13_weight [E, 2N, H] ([gate | up] per expert), w2_weight [E, H, N]."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Turn the loaded model-dtype weights into what apply reads (nothing to do by default)."""
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    def apply(self, layer: nn.Module, x: torch.Tensor, router_logits: torch.Tensor,
               out: torch.Tensor | None = None) -> torch.Tensor:
-        """The routing-weighted sum of each token's experts' SwiGLU outputs: x [T, H] -> [T, H] in x's
-        dtype (written to out when given); topk_weights [T, k] float32, topk_ids [T, k] int32
-        (ids of all num_experts: layer.expert_map, if any, takes them to this rank's)."""
-        args = (x.contiguous(), layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.w13_weight_scale,
-                layer.w2_weight_scale, out, layer.expert_map)
+        """The routing-weighted sum of each token's top-k experts' SwiGLU outputs: x [T, H] -> [T, H]
+        in x's dtype (written to out when given); router_logits [T, num_experts], the experts chosen
+        as select_experts chooses them (layer.top_k, layer.renormalize); layer.expert_map, if any,
+        takes the ids of all num_experts to this rank's."""
+        scales = (layer.w13_weight_scale, layer.w2_weight_scale)
         if uses_kernels(x):
-            from nanovllm.kernels.fused_moe import fused_experts  # Triton: imported only where it runs
-            return fused_experts(*args)
-        return torch_experts(*args)
+            from nanovllm.kernels.fused_moe import fused_moe  # Triton: imported only where it runs
+            return fused_moe(x, router_logits, layer.w13_weight, layer.w2_weight, layer.top_k, layer.renormalize,
+                             *scales, out, layer.expert_map)
+        return torch_experts(x.contiguous(), layer.w13_weight, layer.w2_weight,
+                             *select_experts(router_logits, layer.top_k, layer.renormalize), *scales, out,
+                             layer.expert_map)
 
 
 class Fp8MoEMethod(MoEMethod):

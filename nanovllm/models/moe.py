@@ -17,9 +17,9 @@ from torch import nn
 
 from nanovllm.distributed.process_group import DOWN_PROJ_SLOT
 from nanovllm.distributed.state import TensorParallel
-from nanovllm.layers.fused_moe import FusedMoE, select_experts
-from nanovllm.layers.layernorm import RMSNorm, residual_norm
-from nanovllm.layers.linear import ReplicatedLinear
+from nanovllm.layers.fused_moe import FusedMoE
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import ReplicatedLinear, norm_linear_input
 from nanovllm.layers.linear_method import LinearMethod
 from nanovllm.layers.moe_method import moe_method
 from nanovllm.models.decoder import DecoderForCausalLM, DecoderMLP
@@ -27,8 +27,8 @@ from nanovllm.models.decoder import DecoderForCausalLM, DecoderMLP
 
 class SparseMoeBlock(nn.Module):
     """A decoder layer's MLP as experts: the router (gate [num_experts, hidden], replicated on every
-    rank and never quantized, as vLLM keeps it) chooses each token's top_k experts
-    (select_experts), and the experts (FusedMoE) sum their outputs. With tensor parallelism the
+    rank and never quantized, as vLLM keeps it) scores the experts, and the experts (FusedMoE)
+    choose each token's top_k by those logits and sum their outputs. With tensor parallelism the
     output is this rank's partial sums, written where the two-GPU sum reads them (DOWN_PROJ_SLOT)."""
 
     def __init__(self, config, intermediate_size: int, renormalize: bool, tp: TensorParallel,
@@ -36,17 +36,16 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu'")
-        self.top_k, self.renormalize, self.group = config.num_experts_per_tok, renormalize, tp.group
+        self.group = tp.group
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, tp)
-        self.experts = FusedMoE(config.num_experts, self.top_k, config.hidden_size, intermediate_size, tp,
-                                moe_method(quant_method))
+        self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size, intermediate_size,
+                                tp, renormalize, moe_method(quant_method))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(experts(norm(r)), r) for r = x + residual; x, residual: [num_tokens, hidden_size]."""
-        x, residual = residual_norm(x, residual, norm, self.group)
-        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        router_logits, residual, x = norm_linear_input(x, residual, norm, self.gate)
         out = self.group.partial_sums_buffer(x.size(0), x.dtype, DOWN_PROJ_SLOT) if self.group else None
-        return self.experts(x, topk_weights, topk_ids, out), residual
+        return self.experts(x, router_logits, out), residual
 
 
 def experts_split(hf_config, expert_size: str, expert_parallel: bool) -> dict[str, int]:
