@@ -97,6 +97,7 @@ class DataParallelEngine(ReplicaRouter):
             self.conns.append(conn)
         weakref.finalize(self, stop_processes, self.procs, self.conns, 30)
         self._last_heard = [time.monotonic()] * len(self.conns)
+        self._early: list[tuple[int, list[RequestOutput]]] = []  # outputs sent before an answer (_ask_all)
         self._started = False
         self._set_max_model_len(min(self._receive(i)[1] for i in range(len(self.conns))))  # ("ready", max_model_len)
         self._started = True
@@ -116,8 +117,9 @@ class DataParallelEngine(ReplicaRouter):
         self.conns[i].send(("add", batch))
 
     def _receive_outputs(self, busy: list[int]) -> list[tuple[int, list[RequestOutput]]]:
-        received = [(self.conns.index(conn), self._receive(self.conns.index(conn))[1])
-                    for conn in wait([self.conns[i] for i in busy], timeout=1.0)]
+        received, self._early = self._early, []
+        received += [(self.conns.index(conn), self._receive(self.conns.index(conn))[1])
+                     for conn in wait([self.conns[i] for i in busy], timeout=0 if received else 1.0)]
         now = time.monotonic()
         for i in busy:
             if self.procs[i].exitcode is not None:
@@ -159,6 +161,7 @@ class DataParallelEngine(ReplicaRouter):
     def abort_all_requests(self):
         """Have every busy replica drop its requests, reading its replies up to the acknowledgement,
         so that the next call starts clean (a dead replica is reported by the next call)."""
+        self._early = []
         for i in self._forget_all():
             try:
                 self.conns[i].send(("abort",))
@@ -168,11 +171,14 @@ class DataParallelEngine(ReplicaRouter):
                 pass
 
     def _ask_all(self, message: tuple) -> list:
-        """Each replica's answer to message (one of the idle replicas' requests)."""
+        """Each replica's answer to message; the outputs a busy replica sends before it are kept
+        for the next step()."""
         answers = []
         for i, conn in enumerate(self.conns):
             conn.send(message)
-            answers.append(self._receive(i)[1])
+            while (reply := self._receive(i))[0] == "outputs":
+                self._early.append((i, reply[1]))
+            answers.append(reply[1])
         return answers
 
     def _replica_metrics(self) -> list[list]:
