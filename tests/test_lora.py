@@ -2,10 +2,14 @@
 for each of three adapters of different ranks and target sets, alone and mixed in one batch
 with base rows; the prefix cache keeps adapters apart; adapters evicted from their slot and from
 the host cache come back the same; tensor parallelism; bad adapters are refused before any work,
-and the engine keeps serving."""
+and the engine keeps serving; vLLM's adapter calls (llm.llm_engine.add_lora, remove_lora,
+list_loras, pin_lora), on one engine, every tensor-parallel rank and every data-parallel replica."""
+import shutil
+
 import pytest
 
 from nanovllm import LLM, LoRARequest, SamplingParams
+from nanovllm.engine import lora_manager
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.sequence import Sequence
@@ -170,10 +174,24 @@ def test_tensor_parallel(tiny, tp):
 
 
 def test_data_parallel(tiny):
-    """Two replicas: requests and their adapters go to either."""
+    """Two replicas: requests and their adapters go to either; the adapter calls go to both, also
+    while they run requests (whose outputs sent meanwhile are kept)."""
     path, requests, expected, _ = tiny
     loras, want = mixed(requests, expected, 1)
-    assert completions(LLM(path, data_parallel_size=2, **ARGS), workload() * 2, loras * 2) == want * 2
+    llm = LLM(path, data_parallel_size=2, **ARGS)
+    assert completions(llm, workload() * 2, loras * 2) == want * 2
+    engine = llm.llm_engine
+    assert engine.list_loras() == {1, 2, 3} and engine.remove_lora(1) and engine.list_loras() == {2, 3}
+    with pytest.raises(ValueError, match=r"lora_int_id 1 is not loaded on data-parallel replica\(s\) \[0, 1\]"):
+        engine.pin_lora(1)
+    for i, prompt in enumerate(workload()[:2]):  # one to each replica
+        engine.add_request(str(i), prompt, GREEDY, lora_request=requests["qv"])
+    engine.step()
+    assert engine.add_lora(requests["qv"]) and engine.pin_lora(1) and engine.list_loras() == {1, 2, 3}
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((out.request_id, out.outputs[0].token_ids) for out in engine.step())
+    assert [outputs[str(i)] for i in range(2)] == expected["qv"][:2]
 
 
 def test_scheduler_admits_at_most_max_loras_adapters():
@@ -243,6 +261,10 @@ def test_lora_needs_enable_lora(tiny):
     llm = LLM(path, **{k: v for k, v in ARGS.items() if "lora" not in k})
     with pytest.raises(ValueError, match="needs an engine with LoRA enabled: LLM\\(model, enable_lora=True"):
         llm.generate(workload()[:1], GREEDY, use_tqdm=False, lora_request=requests["qv"])
+    engine = llm.llm_engine
+    for method, arg in [("add_lora", requests["qv"]), ("remove_lora", 1), ("list_loras", None), ("pin_lora", 1)]:
+        with pytest.raises(ValueError, match=f"{method} needs an engine with LoRA enabled: LLM\\(model, enable_lora="):
+            getattr(engine, method)(*[arg] if arg else [])
     assert completions(llm, workload()[:2], None) == expected[None][:2]
 
 
@@ -282,3 +304,96 @@ def test_speculative_decoding_with_adapters(tiny, spec):
     llm = LLM(path, **ARGS, speculative_config=spec)
     assert completions(llm, prompts, loras, params) == plain
     assert llm.engine.spec_metrics.num_accepted_tokens > 10
+
+
+# ---- vLLM's adapter calls: llm.llm_engine.add_lora, remove_lora, list_loras, pin_lora --------
+
+def test_add_lora_loads_before_requests_and_remove_lora_drops(tiny, monkeypatch):
+    """add_lora reads the adapter now (its requests read nothing); after remove_lora the next
+    request reads it again and runs the same."""
+    path, requests, expected, _ = tiny
+    llm = LLM(path, **ARGS)
+    engine, reads = llm.llm_engine, []
+    load_adapter = lora_manager.load_adapter
+    monkeypatch.setattr(lora_manager, "load_adapter", lambda request, *args: reads.append(request.lora_name)
+                        or load_adapter(request, *args))
+    qv = requests["qv"]
+    assert engine.list_loras() == set()
+    assert engine.add_lora(qv) is True and engine.list_loras() == {qv.lora_int_id} and reads == ["qv"]
+    assert engine.add_lora(qv) and reads == ["qv"]  # already there: not read again
+    assert completions(llm, workload()[:2], qv) == expected["qv"][:2] and reads == ["qv"]
+    assert engine.remove_lora(qv.lora_int_id) is True and engine.list_loras() == set()
+    assert engine.remove_lora(qv.lora_int_id) is False and engine.remove_lora(99) is False
+    assert completions(llm, workload()[:2], qv) == expected["qv"][:2] and reads == ["qv", "qv"]
+    assert engine.list_loras() == {qv.lora_int_id}
+
+
+@pytest.mark.parametrize("name", ["lm_head", "saved", "wide", "missing"])
+def test_add_lora_refuses_bad_adapters(llm, tiny, bad, name):
+    path, pattern = bad[name]
+    with pytest.raises(ValueError, match=f"LoRA adapter '{name}' .*{pattern}"):
+        llm.llm_engine.add_lora(LoRARequest(name, 200, path))
+    assert 200 not in llm.llm_engine.list_loras()
+    still_serves(llm, tiny)
+
+
+def test_remove_lora_while_its_requests_run(tiny):
+    """remove_lora of a running adapter, and of an idle one whose freed slot another adapter then
+    takes beside the running one: every request gets its own adapter's tokens."""
+    path, requests, expected, _ = tiny
+    llm = LLM(path, **{**ARGS, "max_loras": 2})
+    engine, prompts = llm.llm_engine, workload()
+    assert completions(llm, prompts[:2], [requests["qv"], requests["attn"]]) == [expected["qv"][0], expected["attn"][1]]
+    engine.add_request("attn", prompts[2], GREEDY, lora_request=requests["attn"])  # 70 tokens: two chunks
+    engine.step()
+    assert engine.remove_lora(requests["qv"].lora_int_id)  # idle, its slot freed: "all" takes it, not attn's
+    engine.add_request("all", prompts[3], GREEDY, lora_request=requests["all"])
+    outputs = {}
+    for _ in range(3):
+        outputs.update((out.request_id, out.outputs[0].token_ids) for out in engine.step())
+    assert engine.remove_lora(requests["attn"].lora_int_id)  # running: read again for its next step
+    while engine.has_unfinished_requests():
+        outputs.update((out.request_id, out.outputs[0].token_ids) for out in engine.step())
+    assert outputs == {"attn": expected["attn"][2], "all": expected["all"][3]}
+
+
+def test_pin_lora_keeps_an_adapter_through_lru(tiny):
+    """max_cpu_loras=2: a pinned adapter stays in the host cache while others come and go; with
+    both places pinned add_lora refuses another, whose requests still run (read from disk)."""
+    path, requests, expected, _ = tiny
+    llm = LLM(path, **{**ARGS, "max_loras": 1, "max_cpu_loras": 2})
+    engine, prompts = llm.llm_engine, workload()[:2]
+    with pytest.raises(ValueError, match="lora_int_id 1 is not loaded"):
+        engine.pin_lora(1)
+    assert engine.add_lora(requests["qv"]) and engine.pin_lora(1) is True
+    for name in ("attn", "all", "attn"):
+        assert completions(llm, prompts, requests[name]) == expected[name][:2]
+        assert engine.list_loras() == {1, requests[name].lora_int_id}
+    assert completions(llm, prompts, requests["qv"]) == expected["qv"][:2]
+    assert engine.add_lora(requests["all"]) and engine.pin_lora(3) and engine.list_loras() == {1, 3}
+    with pytest.raises(ValueError, match="cannot be kept: all max_cpu_loras=2 adapters of the host cache are pinned"):
+        engine.add_lora(requests["attn"])
+    assert completions(llm, prompts, requests["attn"]) == expected["attn"][:2]
+    assert engine.list_loras() == {1, 3}
+    assert engine.remove_lora(1) and engine.add_lora(requests["attn"]) and engine.list_loras() == {2, 3}
+
+
+def test_adapter_calls_reach_every_rank(tiny, tmp_path):
+    """TP=2: every rank's host cache follows add_lora, pin_lora and remove_lora. A rank that
+    missed one would read the adapter's directory, which the test empties, then fills with
+    another adapter's files."""
+    path, requests, expected, _ = tiny
+    llm = LLM(path, tensor_parallel_size=2, **{**ARGS, "max_loras": 1, "max_cpu_loras": 2})
+    engine, own, prompts = llm.llm_engine, tmp_path / "own", workload()[:2]
+    shutil.copytree(requests["qv"].lora_path, own)
+    mine = LoRARequest("own", 9, str(own))
+    assert engine.add_lora(mine) and engine.pin_lora(9)
+    shutil.rmtree(own)  # from here on only the host caches hold it
+    for name in ("attn", "all"):  # each through the slot and the cache's unpinned place
+        assert completions(llm, prompts, requests[name]) == expected[name][:2]
+    assert engine.list_loras() == {9, 3}
+    assert completions(llm, prompts, mine) == expected["qv"][:2]
+    assert engine.remove_lora(9) and engine.list_loras() == {3}
+    shutil.copytree(requests["attn"].lora_path, own)
+    assert llm.reset_prefix_cache()  # (its blocks were computed with the former files)
+    assert completions(llm, prompts, mine) == expected["attn"][:2]

@@ -94,6 +94,25 @@ class EngineCore(EngineBase):
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        self._check_lora_enabled("add_lora")
+        self.processor.check_lora(lora_request)
+        self.model_runner.lora_call("add", lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        self._check_lora_enabled("remove_lora")
+        return self.model_runner.lora_call("remove", lora_id)
+
+    def list_loras(self) -> set[int]:
+        self._check_lora_enabled("list_loras")
+        return set(self.model_runner.lora.host)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        self._check_lora_enabled("pin_lora")
+        self.model_runner.lora_call("pin", lora_id)
+        return True
+
     def get_metrics(self) -> list:
         """The speculative decoding counters since the engine started (engine/spec_decode/metrics.py)."""
         return self.spec_metrics.metrics()

@@ -5,10 +5,12 @@ Rank 0 plans each step (plan): the scheduler admits at most max_loras adapters a
 sequences, and each gets a slot, least recently used slots given up first (never one the step
 uses); the plan's loads say which adapters to copy into which slots before the forward, and every
 rank copies its own shards (begin_step) from its host cache of max_cpu_loras adapters (least
-recently used out first; read from disk when missing), laid out as the slots are, so that a load
-is two copies per layer. A slot's copies are queued on the stream after the previous step's
-forward, which may still read the slot's former adapter. The host cache's tensors are pinned on
-CUDA: copies from them do not wait for the device.
+recently used out first, never a pinned one; read from disk when missing), laid out as the slots
+are, so that a load is two copies per layer. A slot's copies are queued on the stream after the
+previous step's forward, which may still read the slot's former adapter. The host cache's tensors
+are pinned on CUDA: copies from them do not wait for the device. The engine's add_lora,
+remove_lora and pin_lora change every rank's host cache alike, in order with the steps (add,
+remove, pin; ModelRunner.lora_call), so the ranks' caches hold the same adapters.
 """
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -63,6 +65,7 @@ class LoRAManager:
         self.slots: OrderedDict[int, int] = OrderedDict()  # rank 0: adapter id -> slot, least recently used first
         self.kinds: dict[int, frozenset] = {}  # rank 0: adapter id -> its layers' kinds, for adapters in slots
         self.host: OrderedDict[int, HostAdapter] = OrderedDict()
+        self.pins: set[int] = set()  # adapter ids the host cache keeps whatever their use (pin), all in it
 
     def wrap(self, method: LinearMethod) -> LoRALinearMethod:
         """The method of every linear layer: `method`'s products and the step's adapters' deltas."""
@@ -94,8 +97,8 @@ class LoRAManager:
                 self.slots.move_to_end(adapter_id)
                 continue
             kinds = self._host_adapter(request).kinds  # read (or fail) before any slot changes hands
-            if len(self.slots) < self.max_loras:
-                slot = len(self.slots)
+            if len(self.slots) < self.max_loras:  # a free slot: any, once remove has freed one
+                slot = min(set(range(self.max_loras)) - set(self.slots.values()))
             else:  # the least recently used slot of an adapter this step does not run (the scheduler leaves one)
                 victim = next(a for a in self.slots if a not in step)
                 slot = self.slots.pop(victim)
@@ -143,6 +146,33 @@ class LoRAManager:
                     layer.lora_b[slot].copy_(b, non_blocking=True)
         self.context.set_step(tensors["lora_index"], step.num_tiles, step.block_m, step.groups, step.kinds)
 
+    def add(self, request: LoRARequest):
+        """Read the adapter into the host cache now, as a step that runs it would (kept there as
+        most recently used). ValueError from check_adapter for a bad adapter, or when every
+        adapter in the cache is pinned (none can leave for it)."""
+        self._host_adapter(request)
+        if request.lora_int_id not in self.host:
+            raise ValueError(f"LoRA adapter {request.lora_name!r} (lora_int_id {request.lora_int_id}) cannot be kept: "
+                             f"all max_cpu_loras={self.max_cpu_loras} adapters of the host cache are pinned; "
+                             f"remove_lora one, or raise max_cpu_loras")
+
+    def remove(self, lora_id: int) -> bool:
+        """Drop the adapter from the host cache, with its pin, and (rank 0) free its slot: a later
+        step of a request that runs it reads it again from disk into a free slot. Whether it was
+        in the cache or a slot."""
+        in_slot = self.slots.pop(lora_id, None) is not None
+        self.kinds.pop(lora_id, None)
+        self.pins.discard(lora_id)
+        return self.host.pop(lora_id, None) is not None or in_slot
+
+    def pin(self, lora_id: int):
+        """Keep the adapter in the host cache until remove: the least recently used adapter that
+        leaves for another is never a pinned one. ValueError naming the id when it is not there."""
+        if lora_id not in self.host:
+            raise ValueError(f"LoRA adapter lora_int_id {lora_id} is not loaded (list_loras() gives those that are); "
+                             f"add_lora it first")
+        self.pins.add(lora_id)
+
     def _host_adapter(self, request: LoRARequest) -> HostAdapter:
         """The adapter from the host cache, read from disk (and the cache's least recently used one
         dropped) when it is not there."""
@@ -171,8 +201,8 @@ class LoRAManager:
                 layer.weight_loader(b, b_pad, target.shard)
         adapter = HostAdapter(self._keep(weights), frozenset(self.layers[name].lora_kind for name in weights))
         self.host[request.lora_int_id] = adapter
-        while len(self.host) > self.max_cpu_loras:
-            self.host.popitem(last=False)
+        while len(self.host) > self.max_cpu_loras:  # pinned ones stay: with all others pinned, this one goes
+            del self.host[next(a for a in self.host if a not in self.pins)]
         return adapter
 
     def _keep(self, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, ...]]:

@@ -320,6 +320,17 @@ class ModelRunner:
                 parts.append(token_logprobs(logits, targets[start:start + PROMPT_LOGITS_ROWS], plan.num_prompt_logprobs))
         return TokenLogprobs(*map(torch.cat, zip(*(vars(p).values() for p in parts)))) if parts else None
 
+    def lora_call(self, method: str, *args):
+        """LoRAManager.method(*args) (add, remove, pin: the engine's add_lora, remove_lora,
+        pin_lora) on this rank, then from rank 0 on every other (each keeps a host cache of its
+        own shards), after the steps sent before, returning once all have run it (TPWorkers.call).
+        Returns this rank's result; what this rank raises (a bad adapter, an unknown id) no other
+        rank runs; RuntimeError when a worker has died or failed in it."""
+        result = getattr(self.lora, method)(*args)
+        if self.workers:
+            self.workers.call("lora_call", method, *args)
+        return result
+
     def reset(self):
         """Forget the last launched step (after its requests were aborted)."""
         self._prev_rows, self._prev_sampled = {}, None

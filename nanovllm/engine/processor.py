@@ -95,7 +95,8 @@ class Processor:
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         self._check_limits(params)
-        self._check_lora(lora_request)
+        if lora_request is not None:
+            self.check_lora(lora_request)
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt and "prompt" not in prompt:
@@ -150,11 +151,10 @@ class Processor:
         if bad:
             raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
 
-    def _check_lora(self, lora_request: LoRARequest | None):
-        """A request's adapter: a LoRARequest, on an engine with enable_lora, whose files fit the
-        model (loader/lora.py check_adapter, once per lora_int_id), one path per lora_int_id."""
-        if lora_request is None:
-            return
+    def check_lora(self, lora_request: LoRARequest):
+        """A request's adapter, or add_lora's: a LoRARequest, on an engine with enable_lora, whose
+        files fit the model (loader/lora.py check_adapter, once per lora_int_id), one path per
+        lora_int_id (for good: the prefix cache keeps its blocks by the id). ValueError otherwise."""
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
         if not self.enable_lora:

@@ -26,10 +26,12 @@ REPLY_TIMEOUT_S = 600  # the longest a busy replica may stay silent (one engine 
 
 def _replica_main(config: Config, conn, parent_pid: int):
     """One replica's loop. Messages in: ("add", [(request_id, prompt, params, lora_request)]), ("abort", ids)
-    (no reply), ("abort",), ("reset_prefix_cache",), ("metrics",), None (exit). Out: ("ready",
+    (no reply), ("abort",), ("reset_prefix_cache",), ("metrics",), ("lora", method, args) (its
+    engine's add_lora, remove_lora, list_loras or pin_lora), None (exit). Out: ("ready",
     max_model_len) once; ("outputs", [RequestOutput]) after each step that reports some;
     ("aborted",) answers every ("abort",); ("reset", ok); ("metrics", its engine's get_metrics());
-    ("error", traceback) when a step fails (its requests are dropped, the replica stays up)."""
+    ("lora", what the method returns); ("error", traceback) when a step fails (its requests are
+    dropped, the replica stays up) or a LoRA call raises ValueError (the replica stays up)."""
     die_with_parent(parent_pid)
     from nanovllm.executor.llm_engine import LLMEngine
     try:
@@ -50,6 +52,11 @@ def _replica_main(config: Config, conn, parent_pid: int):
                     conn.send(("aborted",))
                 elif message[0] == "metrics":
                     conn.send(("metrics", engine.get_metrics()))
+                elif message[0] == "lora":
+                    try:
+                        conn.send(("lora", getattr(engine, message[1])(*message[2])))
+                    except ValueError:  # the router checked the call: a race, e.g. the adapter's files since removed
+                        conn.send(("error", traceback.format_exc()))
                 else:
                     conn.send(("reset", engine.reset_prefix_cache()))
                 continue
@@ -180,6 +187,9 @@ class DataParallelEngine(ReplicaRouter):
                 self._early.append((i, reply[1]))
             answers.append(reply[1])
         return answers
+
+    def _replica_lora(self, method: str, *args) -> list:
+        return self._ask_all(("lora", method, args))
 
     def _replica_metrics(self) -> list[list]:
         return self._ask_all(("metrics",))

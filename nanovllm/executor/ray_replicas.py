@@ -59,6 +59,10 @@ class Replica:
     def metrics(self) -> list:
         return self.engine.get_metrics()
 
+    def lora(self, method: str, *args):
+        """Its engine's add_lora, remove_lora, list_loras or pin_lora."""
+        return getattr(self.engine, method)(*args)
+
 
 def _stop(actors: list, placement_group):
     """Kill the actors and free their bundles (nothing to do once Ray is shut down: all went with it)."""
@@ -153,3 +157,7 @@ class RayDataParallelEngine(ReplicaRouter):
     def _replica_metrics(self) -> list[list]:
         import ray
         return ray.get([actor.metrics.remote() for actor in self._actors], timeout=REPLY_TIMEOUT_S)
+
+    def _replica_lora(self, method: str, *args) -> list:
+        import ray
+        return ray.get([actor.lora.remote(method, *args) for actor in self._actors], timeout=REPLY_TIMEOUT_S)

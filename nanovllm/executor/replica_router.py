@@ -23,7 +23,8 @@ class ReplicaRouter(EngineBase):
     the replica with the least outstanding work (see request_load; a batch's requests go largest
     first), and collect the RequestOutputs the replicas send back. Subclasses move the
     messages: _send, _receive_outputs, _send_abort, abort_all_requests, reset_prefix_cache,
-    _replica_metrics (each replica's get_metrics())."""
+    _replica_metrics (each replica's get_metrics()), _replica_lora (each replica's answer to one
+    of its engine's LoRA adapter calls)."""
 
     def __init__(self, config: Config, num_replicas: int):
         self.config = config
@@ -52,6 +53,27 @@ class ReplicaRouter(EngineBase):
         of a data-parallel engine's metrics): sum a name's records for the whole."""
         return [replace(m, labels=m.labels | {"engine": str(i)})
                 for i, records in enumerate(self._replica_metrics()) for m in records]
+
+    def add_lora(self, lora_request) -> bool:
+        self._check_lora_enabled("add_lora")
+        self.processor.check_lora(lora_request)  # a bad adapter's error here, before any replica reads it
+        return all(self._replica_lora("add_lora", lora_request))
+
+    def remove_lora(self, lora_id: int) -> bool:
+        self._check_lora_enabled("remove_lora")
+        return any(self._replica_lora("remove_lora", lora_id))
+
+    def list_loras(self) -> set[int]:
+        self._check_lora_enabled("list_loras")
+        return set().union(*self._replica_lora("list_loras"))
+
+    def pin_lora(self, lora_id: int) -> bool:
+        self._check_lora_enabled("pin_lora")
+        lacking = [i for i, ids in enumerate(self._replica_lora("list_loras")) if lora_id not in ids]
+        if lacking:  # checked on all before any pins it
+            raise ValueError(f"LoRA adapter lora_int_id {lora_id} is not loaded on data-parallel replica(s) "
+                             f"{lacking}; add_lora it first (it loads the adapter on every replica)")
+        return all(self._replica_lora("pin_lora", lora_id))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending or self._owner)

@@ -1,10 +1,11 @@
 """Tensor-parallel worker processes, and rank 0's handle on them.
 
 Rank r >= 1 runs in its own process with its own ModelRunner (its shard of the weights and
-of the KV heads, on GPU r or on the CPU) and executes the StepPlans that rank 0 pipes to it:
-a few small arrays per step (positions, slot mapping, block tables), with what its sampler needs
-of rank 0's SamplingTensors (SamplingTensors.for_workers); the token ids reach it by a broadcast
-on the device. The processes exit when the engine is deleted, when the parent
+of the KV heads, on GPU r or on the CPU) and runs the ModelRunner calls that rank 0 pipes to it,
+in order: each step's StepPlan, a few small arrays (positions, slot mapping, block tables), with
+what its sampler needs of rank 0's SamplingTensors (SamplingTensors.for_workers), its token ids
+reaching it by a broadcast on the device; and the engine's LoRA adapter calls (lora_call). The
+processes exit when the engine is deleted, when the parent
 process dies (the kernel kills them), or when their pipe closes.
 """
 import multiprocessing as mp
@@ -41,9 +42,16 @@ def _worker_main(config: Config, rank: int, store_path: str, symmetric: bool, co
     from nanovllm.engine.model_runner import ModelRunner
     try:
         runner = ModelRunner(config, rank=rank, store_path=store_path, symmetric=symmetric)
-        while (step := conn.recv()) is not None:
-            plan, st = step
-            runner.execute(plan, st=st)
+        while (message := conn.recv()) is not None:
+            method, args = message
+            if method == "execute":  # a step: the ranks' collectives keep them together, nothing to answer
+                runner.execute(*args)
+                continue
+            try:  # a call rank 0 waits for (TPWorkers.call): None once it ran, or why it failed
+                getattr(runner, method)(*args)
+                conn.send(None)
+            except Exception:
+                conn.send(traceback.format_exc())
         # rank 0 asked the ranks to stop, and leaves the group with them
         runner.tp_group.leave(runner.graph_runner.graphs if runner.graph_runner else {})
     except EOFError:
@@ -55,7 +63,8 @@ def _worker_main(config: Config, rank: int, store_path: str, symmetric: bool, co
 
 
 class TPWorkers:
-    """Starts ranks 1..tensor_parallel_size-1 and sends them each step's plan (rank 0 side)."""
+    """Starts ranks 1..tensor_parallel_size-1 and sends them each step's plan, and the engine's
+    LoRA adapter calls (rank 0 side)."""
 
     def __init__(self, config: Config):
         self.tmpdir = tempfile.mkdtemp(prefix="nanovllm-tp-")
@@ -110,7 +119,26 @@ class TPWorkers:
         """One step for the workers: its StepPlan (without input_ids and pending) and what their
         samplers need of its SamplingTensors (for_workers(); None when no row is sampled)."""
         for conn in self.conns:
-            conn.send((plan, st))
+            conn.send(("execute", (plan, None, st)))
+
+    def call(self, method: str, *args):
+        """Have every worker run its ModelRunner's method(*args) (ModelRunner.lora_call) after the
+        steps sent before (its pipe keeps the order), and wait until they all have. RuntimeError
+        when a worker has died, or its call raised (it stays up)."""
+        self.check()
+        for conn in self.conns:
+            conn.send((method, args))
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), 1):
+            while not conn.poll(0.01):
+                self.check()
+            try:
+                error = conn.recv()
+            except EOFError:  # it died on the way: check() says how
+                proc.join(10)
+                self.check()
+                raise
+            if error is not None:
+                raise RuntimeError(f"tensor-parallel worker rank {rank} failed in {method}:\n{error}")
 
     @contextmanager
     def step_guard(self):
