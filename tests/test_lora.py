@@ -164,6 +164,24 @@ def test_other_architectures(arch, tmp_path_factory):
     assert completions(llm, prompts, loras) == want
 
 
+def test_mixture_of_experts(tmp_path_factory):
+    """A tiny Qwen3-MoE: an adapter of its attention equals transformers + peft's tokens (its
+    experts run as without adapters); one of its router (mlp.gate), which keeps its own method and
+    no LoRA layer, is refused by name before any work, and the engine keeps serving."""
+    path, model = make_tiny_model("qwen3_moe", tmp_path_factory)
+    root = tmp_path_factory.mktemp("moe_adapters")
+    reference = make_adapter(model, root / "attn", 6, **ADAPTERS["attn"])
+    make_adapter(model, root / "router", 7, r=4, lora_alpha=8, target_modules=["q_proj", "gate"])
+    llm = LLM(path, **ARGS)
+    prompts = workload()[:4]
+    loras = [LoRARequest("attn", 1, str(root / "attn")), None] * 2
+    want = [hf_greedy(reference if lora else model, p, GREEDY.max_tokens) for p, lora in zip(prompts, loras)]
+    assert completions(llm, prompts, loras) == want
+    with pytest.raises(ValueError, match=r"LoRA adapter 'router' .*mlp\.gate\.lora_A\.weight is not a LoRA weight of a mod"):
+        llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("router", 2, str(root / "router")))
+    assert completions(llm, prompts, loras) == want
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel(tiny, tp):
     """TP=2 and 4 (gloo; with 4 ranks each KV head, and its B rows, on two): A or B split as each

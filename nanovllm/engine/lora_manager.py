@@ -72,9 +72,10 @@ class LoRAManager:
         return LoRALinearMethod(method, self.context)
 
     def attach(self, model: nn.Module):
-        """Give every linear layer of `model` (built with wrap's method) its empty slot table."""
+        """Give every linear layer of `model` built with wrap's method its empty slot table (not a
+        mixture of experts' router, which keeps its own method: loader/lora.py lora_targets)."""
         for name, module in model.named_modules():
-            if isinstance(module, LinearBase):
+            if isinstance(module, LinearBase) and isinstance(module.quant_method, LoRALinearMethod):
                 add_lora_weights(module, name.rsplit(".", 1)[1], self.max_loras, self.max_rank, self.dtype)
                 module.lora_index = len(self.layers)
                 self.layers[name] = module

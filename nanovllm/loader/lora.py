@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from nanovllm.distributed.state import TensorParallel
 from nanovllm.layers.linear import LinearBase
+from nanovllm.layers.linear_method import LinearMethod
 from nanovllm.lora_request import LoRARequest
 from nanovllm.models.registry import model_class
 
@@ -46,15 +47,18 @@ class AdapterInfo:
 
 def lora_targets(hf_config) -> dict[str, LoRATarget]:
     """PEFT module name (e.g. "model.layers.0.self_attn.q_proj") -> LoRATarget, for every
-    projection of the model's linear layers (q/k/v packed into qkv_proj, gate/up into gate_up_proj)."""
+    projection of the model's linear layers built with the model's method, which adapters wrap (q/k/v
+    packed into qkv_proj, gate/up into gate_up_proj); not a mixture of experts' router, which keeps
+    a method of its own (models/moe.py), nor its experts."""
+    method = LinearMethod()  # the model's: what marks the layers adapters reach
     with torch.device("meta"):
-        model = model_class(hf_config)(hf_config, TensorParallel(0, 1))
+        model = model_class(hf_config)(hf_config, TensorParallel(0, 1), None, method)
     packed: dict[str, list] = {}
     for fragment, (layer, shard) in model.packed_modules_mapping.items():
         packed.setdefault(layer, []).append((fragment, shard))
     targets = {}
     for name, module in model.named_modules():
-        if isinstance(module, LinearBase):
+        if isinstance(module, LinearBase) and module.quant_method is method:
             parent, leaf = name.rsplit(".", 1)
             parts = packed.get(leaf, [(leaf, None)])
             sizes = module.output_sizes if leaf in packed else [module.weight.size(0)]
