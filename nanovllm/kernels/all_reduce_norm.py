@@ -85,7 +85,9 @@ def all_reduce_rms_norm_2(own: torch.Tensor, box: torch.Tensor, peer_box: torch.
     all_reduce_rms_norm_kernel[(rows,)](
         own, box, peer_box if push else own, own if residual is None else residual, weight, y, r, k, eps,
         PUSH=push, HAS_RESIDUAL=residual is not None, BLOCK_K=triton.next_power_of_2(k),
-        num_warps=4,  # 256 rows of 4096: 12.4 us, 13.3 with 8 warps (2 x H100, docs/perf-log.md, 2026-11-25)
+        # 256 rows of 4096: 12.4 us, 13.3 with 8 warps (2 x H100, docs/perf-log.md, 2026-11-25), measured when
+        # the rows met at system-scope flags and pulled the peer's sums; not swept again for the push
+        num_warps=4,
         **pdl_args(own.device))
     return y, r
 
