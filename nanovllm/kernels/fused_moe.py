@@ -81,8 +81,9 @@ def default_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
     token; bf16 and fp8): gate/up 19.2 and 11.4 us, down 11.0 and 6.6 us; 4 warps beat 8, and three
     pipeline stages beat one by 1 us on fp8's gate/up. One pair tiling for both dtypes, fp8's: with
     the routing inside the gate/up kernel, bf16 at one token 29.5 -> 26.7 us a layer and 8 tokens
-    133.5 -> 125.4 against its former 8 rows of 512-wide steps (H200, benchmarks/moe.py --sweep),
-    whose 768 programs take two waves to choose the experts where 384 take one. vLLM keeps such
+    133.5 -> 125.4 against its former 8 rows of 512-wide steps (H200; benchmarks/moe.py's pair
+    tilings and timer, from the router's logits): its 768 programs, at 48 KB of pipeline buffers
+    each by our count (not profiled), run in two waves that each choose the experts. vLLM keeps such
     choices as tuned JSON per GPU and shape; one rule by pairs per expert stands in for them until
     another GPU or shape measures differently."""
     if num_tokens <= PAIRS_MAX_TOKENS:
