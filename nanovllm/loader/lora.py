@@ -67,6 +67,13 @@ def lora_targets(hf_config) -> dict[str, LoRATarget]:
     return targets
 
 
+def _moe_hint(modules: list[str]) -> str:
+    """Why a mixture of experts' router (mlp.gate) or experts, named in modules, take no adapter."""
+    if any(m.rsplit(".", 1)[-1] == "gate" or ".experts." in m for m in modules):
+        return " (a mixture of experts' router, mlp.gate, and its experts take no adapter)"
+    return ""
+
+
 def check_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_lora_rank: int) -> AdapterInfo:
     """Read the adapter's config and its tensors' names and shapes (not their values) and check them
     against the base model; ValueError naming the adapter, what is wrong and what is allowed: no
@@ -109,7 +116,7 @@ def check_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_lora
     wanted = config.get("target_modules") or []
     unknown = sorted({t.rsplit(".", 1)[-1] for t in wanted} - set(supported)) if isinstance(wanted, list) else []
     if unknown:
-        raise fail(f"target module(s) {unknown} not supported; LoRA applies to {supported}")
+        raise fail(f"target module(s) {unknown} not supported{_moe_hint(unknown)}; LoRA applies to {supported}")
     if not os.path.isfile(weights_file):
         raise fail(f"no {WEIGHTS_FILE}" + (" (adapter_model.bin is not read: save with safe_serialization)"
                                            if os.path.isfile(os.path.join(path, "adapter_model.bin")) else ""))
@@ -123,7 +130,8 @@ def check_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_lora
         module, matrix = _split(key)
         target = targets.get(module)
         if target is None:
-            raise fail(f"tensor {key} is not a LoRA weight of a module nanovllm adapts; LoRA applies to {supported}")
+            raise fail(f"tensor {key} is not a LoRA weight of a module nanovllm adapts{_moe_hint([module])}; LoRA "
+                       f"applies to {supported}")
         expected = (rank, target.in_features) if matrix == 0 else (target.out_features, rank)
         if shape != expected:
             raise fail(f"tensor {key} has shape {list(shape)}, expected {list(expected)} (r={rank})")
