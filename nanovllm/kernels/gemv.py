@@ -185,7 +185,7 @@ def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, res_ptr, norm_w_ptr, r
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
-def gemv_config(k: int, weight_dtype: torch.dtype) -> tuple[int, int, int, int]:
+def gemv_config(k: int, weight_dtype: torch.dtype, lora: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages). K <= 3072 (Qwen3-0.6B): each program's whole slice
     of K in one tile, 4 rows of 16-bit or 8 of float8 weights, so a grid is one wave that leaves room
     on every SM: the next kernel's programs become resident under PDL while this one runs and load
@@ -195,7 +195,16 @@ def gemv_config(k: int, weight_dtype: torch.dtype) -> tuple[int, int, int, int]:
     sweep of products alone (benchmarks/gemv.py --sweep): 2048-wide steps and 4 rows per program
     for K >= 4096 (Qwen3-8B), where all of K in one tile gained nothing in bf16 and lost with float8
     weights (100.1-142.2 us per 8B layer over such tilings against 88.3); between the two, not
-    measured in a chain, 1024-wide steps of 2 rows (16-bit) or 4 (float8)."""
+    measured in a chain, 1024-wide steps of 2 rows (16-bit) or 4 (float8).
+    With an adapter in the launch (lora, 16-bit weights), where every program waits for s at its
+    end, larger tiles win in a chain of Qwen3-0.6B's products: 16 rows of 512-wide steps for K <=
+    1024 (qkv_proj, gate_up_proj) and 8 rows in 8 warps for down_proj's K of 3072 (H200, 28 layers'
+    four products with one adapter: +5.0-5.3 -> +3.8-4.4 us a layer over the base chain; one
+    sequence with an adapter 0.921 -> 0.911 ms/token; docs/perf-log.md, 2026-11-28)."""
+    if lora and weight_dtype.itemsize == 2 and k <= 1024:
+        return 16, min(512, triton.next_power_of_2(k)), 4, 2
+    if lora and weight_dtype.itemsize == 2 and 2048 < k <= 3072:
+        return 8, triton.next_power_of_2(k), 8, 1
     if k <= 3072:
         block_k = triton.next_power_of_2(k)
         return (4, block_k, 4, 1) if weight_dtype.itemsize == 2 else (8, block_k, 8, 1)
@@ -248,7 +257,7 @@ def _launch(x, weight, weight_scale, bias, config, gated=False, norm=None, out=N
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device) if out is None else out
     residual, norm_weight, eps, res_out, normed = norm or (None, None, 0.0, None, None)
-    block_n, block_k, warps, stages = config or gemv_config(k, weight.dtype)
+    block_n, block_k, warps, stages = config or gemv_config(k, weight.dtype, lora is not None)
     sr, rank, programs, b1, b2, copies, words = 0, 0, 0, n, n, 1, 0
     if lora is not None:
         sr, rank = lora.lora_a.size(1), lora.lora_b.size(2)
