@@ -25,7 +25,7 @@ REPLY_TIMEOUT_S = 600  # the longest a busy replica may stay silent (one engine 
 
 
 def _replica_main(config: Config, conn, parent_pid: int):
-    """One replica's loop. Messages in: ("add", [(request_id, prompt, params, lora_request)]), ("abort", ids)
+    """One replica's loop. Messages in: ("add", [add_request's arguments]), ("abort", ids)
     (no reply), ("abort",), ("reset_prefix_cache",), ("metrics",), ("lora", method, args) (its
     engine's add_lora, remove_lora, list_loras or pin_lora), None (exit). Out: ("ready",
     max_model_len) once; ("outputs", [RequestOutput]) after each step that reports some;
