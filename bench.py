@@ -344,7 +344,7 @@ def spec_report(llm, spec, before: dict, seconds: float) -> dict:
 
 def add_requests(engine, prompts, params, loras):
     for i, (prompt, sp, lora) in enumerate(zip(prompts, params, loras)):
-        engine.add_request(f"bench-{i}", prompt, sp, lora)
+        engine.add_request(f"bench-{i}", prompt, sp, lora_request=lora)
 
 
 def profile_steps(llm, prompts, params, out_dir, skip, loras):

@@ -298,6 +298,19 @@ def test_llm_engine_add_request(llm, tiny):
     assert [outputs[f"r{i}"].token_ids for i in range(3)] == [expected[name][i] for i, name in enumerate(NAMES)]
 
 
+def test_bench_queues_each_prompts_adapter(llm, tiny):
+    """bench.py's --profile and --step-stats queue their workload with add_requests: each prompt's
+    adapter reaches the engine as its lora_request, so each completion is its adapter's."""
+    from bench import add_requests
+    _, requests, expected, _ = tiny
+    loras, want = mixed(requests, expected)
+    add_requests(llm.llm_engine, workload(), [GREEDY] * len(loras), loras)
+    outputs = {}
+    while llm.llm_engine.has_unfinished_requests():
+        outputs.update((out.request_id, out) for out in llm.llm_engine.step())
+    assert [outputs[f"bench-{i}"].token_ids for i in range(len(loras))] == want
+
+
 def still_serves(llm, tiny):
     """Nothing of a refused call ran or stays queued, and the engine serves the next one."""
     _, requests, expected, _ = tiny
