@@ -186,6 +186,27 @@ def test_both_paths_stage_by_stage(case, dtype, fp8):
         assert_close(out, out_ref, out_abs, dtype, hidden + inter + top_k)
 
 
+def test_pair_kernels_read_float8_subnormals():
+    """Float8 expert weights that are all e4m3 subnormals (exponent field 0, either sign), which a
+    kernel that flushed them would read as 0, through both pair kernels against the reference."""
+    case = (3, 7, 3, 33, 20)
+    x, _, _, _, weights, ids = problem(*case, torch.float16)
+    g = torch.Generator().manual_seed(1)
+    (_, num_experts, _, hidden, inter) = case
+    w13, w2 = (((torch.randint(1, 8, shape, generator=g) + torch.randint(0, 2, shape, generator=g) * 128)
+                .to(torch.uint8).view(torch.float8_e4m3fn).to(DEVICE))
+               for shape in ((num_experts, 2 * inter, hidden), (num_experts, hidden, inter)))
+    s13, s2 = (torch.rand(*shape, generator=g).to(DEVICE) * 32 + 32
+               for shape in ((num_experts, 2 * inter), (num_experts, hidden)))
+    h_ref, h_abs, out_ref, out_abs = reference(x, w13, w2, (s13, s2), weights, ids)
+    h = poisoned(3 * 3, inter, dtype=torch.float16)
+    gate_up_pairs(x, w13, s13, ids, PAIRS, out=h)
+    assert_close(h, h_ref, h_abs, torch.float16, hidden)
+    out = poisoned(3, hidden, dtype=torch.float16)
+    down_pairs(h, w2, s2, ids, weights, out, PAIRS)
+    assert_close(out, out_ref, out_abs, torch.float16, hidden + inter + 3)
+
+
 @pytest.mark.parametrize("num_tokens", [2, 37])
 def test_fused_experts_and_the_torch_path(num_tokens):
     """fused_experts with its default path for the size, and the engine's CPU path (torch_experts)

@@ -54,6 +54,30 @@ def test_gemv_awkward_sizes(fp8, gated, bias):
         assert torch.allclose(y.double(), ref, rtol=2**-10, atol=2**-10 * ref.abs().max().item()), (n, k)
 
 
+def float8_bytes(n, k, g, subnormal=False):
+    """Float8 e4m3 weights [n, k] of random finite bytes of either sign: every exponent, or with
+    subnormal only exponent field 0 (magnitudes 2^-9 .. 7 * 2^-9), which a kernel that flushed
+    subnormals would read as 0."""
+    magnitude = torch.randint(1, 8, (n, k), generator=g) if subnormal else torch.randint(0, 127, (n, k), generator=g)
+    sign = torch.randint(0, 2, (n, k), generator=g) * 128
+    return (magnitude + sign).to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("subnormal", [False, True])
+def test_gemv_every_float8_value(subnormal):
+    """Float8 weights of every finite e4m3 value (or its subnormals alone) give the float64 product
+    to float32 summation's error."""
+    g = torch.Generator().manual_seed(int(subnormal))
+    for n, k, config in ((37, 100, (4, 64, 4, 2)), (16, 1030, (8, 512, 8, 1))):
+        w, scale = float8_bytes(n, k, g, subnormal), torch.rand(n, generator=g) * 2**-4 + 2**-6
+        x = (torch.randn(1, k, generator=g) * 4).half()
+        y = torch.full((1, n), float("nan"), dtype=torch.float16, device=DEVICE)
+        gemv(x.to(DEVICE), w.to(DEVICE), scale.to(DEVICE), config=config, out=y)
+        ref = reference(x, w, scale, None, False)
+        magnitude = x.abs().double() @ (w.double().abs() * scale.double()[:, None]).t()
+        assert torch.all((y.cpu().double() - ref).abs() <= 2**-11 * ref.abs() + k * 2**-24 * magnitude), (n, k)
+
+
 def normed(x, residual, norm_weight, eps):
     """layernorm.RMSNorm's result and residual sum (its torch code, run on the CPU)."""
     norm = RMSNorm(x.size(-1), eps).to(x.dtype)
