@@ -2,9 +2,12 @@
 of 6 engine steps): each kernel's, copy's and memset's time per step, launches per step and mean
 duration, largest first, and the GPU's busy time and span per step. Durations of kernels
 launched with programmatic dependent launch (kernels/pdl.py) include their wait for the kernel
-before them, so their busy time can exceed the span.
+before them, so their busy time can exceed the span. --span splits the span instead: in start
+order each event is charged the time by which it moves the latest end so far (its part of the
+span that nothing earlier covers), and the GPU's idle time before it; at one sequence, where the
+kernels of a step run one after another, that is each kernel's cost to the step.
 
-    python benchmarks/trace_summary.py DIR/trace.json [--steps 6] [--rows 25]
+    python benchmarks/trace_summary.py DIR/trace.json [--steps 6] [--rows 25] [--span]
 """
 import argparse
 import collections
@@ -16,6 +19,7 @@ def main():
     p.add_argument("trace")
     p.add_argument("--steps", type=int, default=6, help="engine steps in the trace (bench.py profiles 6)")
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--span", action="store_true", help="each kernel's part of the span and the idle time before it")
     args = p.parse_args()
     with open(args.trace) as f:
         events = [e for e in json.load(f)["traceEvents"]
@@ -30,9 +34,28 @@ def main():
     span = max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)
     n = args.steps
     print(f"GPU busy {busy / n:.1f} us/step, span {span / n:.1f} us/step, {len(events) / n:.0f} launches/step")
+    if args.span:
+        return span_table(events, n, args.rows)
     print(f"{'us/step':>10} {'per step':>8} {'us each':>9}  kernel")
     for name, (us, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:args.rows]:
         print(f"{us / n:10.1f} {count / n:8.1f} {us / count:9.2f}  {name}")
+
+
+def span_table(events, steps, rows):
+    by_name = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    events = sorted(events, key=lambda e: e["ts"])
+    end = events[0]["ts"]
+    for e in events:
+        row = by_name[e["name"][:90]]
+        row[0] += max(0.0, e["ts"] + e["dur"] - max(end, e["ts"]))
+        row[1] += max(0.0, e["ts"] - end)
+        row[2] += 1
+        end = max(end, e["ts"] + e["dur"])
+    idle = sum(row[1] for row in by_name.values())
+    print(f"idle {idle / steps:.1f} us/step; each kernel's part of the span and the idle time before it:")
+    print(f"{'us/step':>10} {'idle':>8} {'per step':>8}  kernel")
+    for name, (us, gap, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:rows]:
+        print(f"{us / steps:10.1f} {gap / steps:8.1f} {count / steps:8.1f}  {name}")
 
 
 if __name__ == "__main__":
