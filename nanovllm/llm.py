@@ -9,7 +9,7 @@ from nanovllm.config import Config
 from nanovllm.engine_args import EngineArgs
 from nanovllm.engine.base import EngineBase
 from nanovllm.executor.llm_engine import LLMEngine, check_model
-from nanovllm.lora_request import LoRARequest
+from nanovllm.lora.request import LoRARequest
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 

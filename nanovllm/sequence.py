@@ -1,7 +1,7 @@
 from enum import Enum, auto
 from itertools import count
 
-from nanovllm.lora_request import LoRARequest
+from nanovllm.lora.request import LoRARequest
 from nanovllm.sampling_params import SamplingParams
 
 

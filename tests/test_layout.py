@@ -13,7 +13,8 @@ PACKAGE = ROOT / "nanovllm"
 # each floor may import its own and those listed after it, never those before
 FLOORS = ["llm", "executor", "engine", "sampling", "config", "engine_args", "loader", "models", "layers", "distributed",
           "kernels"]
-DATA = {"sampling_params", "outputs", "sequence", "lora_request"}  # plain data, importable from every floor above kernels
+# plain data (lora: its LoRARequest), importable from every floor above kernels
+DATA = {"sampling_params", "outputs", "sequence", "lora"}
 
 
 def _imports(path: Path):

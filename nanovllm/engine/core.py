@@ -17,7 +17,7 @@ from nanovllm.sampling.warmup import warm_up_sampler
 from nanovllm.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from nanovllm.engine.stop_checker import check_stop
 from nanovllm.engine.trace import region
-from nanovllm.lora_request import LoRARequest
+from nanovllm.lora.request import LoRARequest
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 

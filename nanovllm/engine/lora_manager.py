@@ -25,7 +25,7 @@ from nanovllm.layers.linear_method import LinearMethod
 from nanovllm.layers.lora import (GRAPH_BLOCK_M, PREFILL_BLOCK_M, PREFILL_MIN_ROWS, LoRAContext, LoRALinearMethod,
                                   add_lora_weights, lora_mapping)
 from nanovllm.loader.lora import lora_targets, load_adapter
-from nanovllm.lora_request import LoRARequest
+from nanovllm.lora.request import LoRARequest
 from nanovllm.sequence import Sequence
 
 

@@ -7,7 +7,7 @@ from numbers import Integral
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.loader.lora import check_adapter, lora_targets
-from nanovllm.lora_request import LoRARequest
+from nanovllm.lora.request import LoRARequest
 from nanovllm.sampling.structured.compiler import Grammar, GrammarCompiler
 from nanovllm.sampling.structured.state import GrammarState
 from nanovllm.sequence import PLACEHOLDER, Sequence

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from nanovllm.distributed.state import TensorParallel
 from nanovllm.layers.linear import LinearBase
 from nanovllm.layers.linear_method import LinearMethod
-from nanovllm.lora_request import LoRARequest
+from nanovllm.lora.request import LoRARequest
 from nanovllm.models.registry import model_class
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"

@@ -1,0 +1,1 @@
+"""LoRA requests, where vLLM keeps them (vllm.lora.request)."""
