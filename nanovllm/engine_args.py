@@ -1,6 +1,7 @@
 """EngineArgs: the engine arguments a user passes (vLLM's names, defaults and meanings), declared
 once here; config.py's Config.create validates them and resolves them into the Config the engine
 reads (the same fields, every "auto" decided, plus what the model's files give)."""
+import difflib
 import importlib.util
 import os
 from dataclasses import dataclass, fields
@@ -207,11 +208,14 @@ class EngineArgs:
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "EngineArgs":
         """EngineArgs(model, **kwargs), LLM(model, **kwargs)'s; raises TypeError for a name it does
-        not take, saying why for vLLM's arguments that nanovllm has no use for (VLLM_ONLY_ARGS)."""
+        not take, saying why for vLLM's arguments that nanovllm has no use for (VLLM_ONLY_ARGS) and
+        naming the closest argument for others (a misspelling)."""
         names = {f.name for f in fields(cls)}
         for name in kwargs:
             if name not in names:
-                why = f": {VLLM_ONLY_ARGS[name]}" if name in VLLM_ONLY_ARGS else ""
+                close = difflib.get_close_matches(name, names, n=1)
+                why = f"; did you mean {close[0]!r}?" if close else ""
+                why = f": {VLLM_ONLY_ARGS[name]}" if name in VLLM_ONLY_ARGS else why
                 raise TypeError(f"nanovllm takes no engine argument {name!r}{why}")
         return cls(model, **kwargs)
 

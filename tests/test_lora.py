@@ -167,19 +167,25 @@ def test_other_architectures(arch, tmp_path_factory):
 def test_mixture_of_experts(tmp_path_factory):
     """A tiny Qwen3-MoE: an adapter of its attention equals transformers + peft's tokens (its
     experts run as without adapters); one of its router (mlp.gate), which keeps its own method and
-    no LoRA layer, is refused by name before any work, and the engine keeps serving."""
+    no LoRA layer, and one of its experts are refused by name before any work, and the engine keeps
+    serving."""
     path, model = make_tiny_model("qwen3_moe", tmp_path_factory)
     root = tmp_path_factory.mktemp("moe_adapters")
     reference = make_adapter(model, root / "attn", 6, **ADAPTERS["attn"])
     make_adapter(model, root / "router", 7, r=4, lora_alpha=8, target_modules=["q_proj", "gate"])
+    make_adapter(model, root / "experts", 8, r=4, lora_alpha=8, target_modules=["q_proj", "gate_proj", "up_proj"])
     llm = LLM(path, **ARGS)
     prompts = workload()[:4]
     loras = [LoRARequest("attn", 1, str(root / "attn")), None] * 2
     want = [hf_greedy(reference if lora else model, p, GREEDY.max_tokens) for p, lora in zip(prompts, loras)]
     assert completions(llm, prompts, loras) == want
-    with pytest.raises(ValueError, match=r"LoRA adapter 'router' .*mlp\.gate\.lora_A\.weight is not a LoRA weight of a mod"
-                       r".* \(a mixture of experts' router, mlp\.gate, and its experts take no adapter\)"):
+    # PEFT saves both as target_parameters: the router's weight and the fused experts' gate_up_proj
+    with pytest.raises(ValueError, match=r"LoRA adapter 'router' .*target_parameters \['gate\.weight'\] .* is not "
+                       r"supported \(a mixture of experts' router, mlp\.gate, and its experts take no adapter\)"):
         llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("router", 2, str(root / "router")))
+    with pytest.raises(ValueError, match=r"LoRA adapter 'experts' .*target_parameters \['gate_up_proj'\] .* is not "
+                       r"supported \(a mixture of experts' router, mlp\.gate, and its experts take no adapter\)"):
+        llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("experts", 3, str(root / "experts")))
     assert completions(llm, prompts, loras) == want
 
 

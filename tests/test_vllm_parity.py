@@ -149,7 +149,7 @@ def test_engine_args_build_an_engine(tiny_qwen3):
 
 def test_engine_args_are_checked_by_name(tiny_qwen3):
     from nanovllm import EngineArgs
-    with pytest.raises(TypeError, match="max_num_seq"):
+    with pytest.raises(TypeError, match="no engine argument 'max_num_seq'; did you mean 'max_num_seqs'"):
         LLM(tiny_qwen3[0], max_num_seq=4, **ARGS)
     with pytest.raises(TypeError, match="hf_config"):  # resolved by the engine, not an argument
         EngineArgs(model=tiny_qwen3[0], hf_config=None)
