@@ -42,6 +42,8 @@ def main():
 
 
 def span_table(events, steps, rows):
+    """Print, per kernel name, its part of the span and the GPU's idle time before it (us a step,
+    over `steps` steps), for events: the trace's GPU events (ts, dur in us), the first `rows` names."""
     by_name = collections.defaultdict(lambda: [0.0, 0.0, 0])
     events = sorted(events, key=lambda e: e["ts"])
     end = events[0]["ts"]

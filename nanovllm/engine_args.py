@@ -214,8 +214,8 @@ class EngineArgs:
         for name in kwargs:
             if name not in names:
                 close = difflib.get_close_matches(name, names, n=1)
-                why = f"; did you mean {close[0]!r}?" if close else ""
-                why = f": {VLLM_ONLY_ARGS[name]}" if name in VLLM_ONLY_ARGS else why
+                why = f": {VLLM_ONLY_ARGS[name]}" if name in VLLM_ONLY_ARGS else \
+                    f"; did you mean {close[0]!r}?" if close else ""
                 raise TypeError(f"nanovllm takes no engine argument {name!r}{why}")
         return cls(model, **kwargs)
 
