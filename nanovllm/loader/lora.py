@@ -67,19 +67,20 @@ def lora_targets(hf_config) -> dict[str, LoRATarget]:
     return targets
 
 
+MOE_HINT = " (a mixture of experts' router, mlp.gate, and its experts take no adapter)"
+
+
 def _moe_hint(modules: list[str]) -> str:
-    """Why a mixture of experts' router (mlp.gate) or experts, named in modules, take no adapter."""
-    if any(m.rsplit(".", 1)[-1] == "gate" or "experts" in m.split(".") for m in modules):
-        return " (a mixture of experts' router, mlp.gate, and its experts take no adapter)"
-    return ""
+    """MOE_HINT where modules name a mixture of experts' router (mlp.gate) or experts, else ""."""
+    return MOE_HINT if any(m.rsplit(".", 1)[-1] == "gate" or "experts" in m.split(".") for m in modules) else ""
 
 
 def check_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_lora_rank: int) -> AdapterInfo:
     """Read the adapter's config and its tensors' names and shapes (not their values) and check them
     against the base model; ValueError naming the adapter, what is wrong and what is allowed: no
     adapter at lora_path, another PEFT method, DoRA, modules_to_save, a LoRA bias, target_parameters,
-    per-module ranks or alphas, r above max_lora_rank, a target module the model has no LoRA layer for, a tensor of
-    the wrong shape."""
+    per-module ranks or alphas, r above max_lora_rank, a target module the model has no LoRA layer
+    for, a tensor of the wrong shape."""
     path = os.path.expanduser(str(request.lora_path))
 
     def fail(message):
@@ -104,7 +105,7 @@ def check_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_lora
         (config.get("fan_in_fan_out"), "fan_in_fan_out is not supported"),
         (config.get("target_parameters"), f"target_parameters {config.get('target_parameters')} (LoRA on parameters, "
                                           f"as PEFT adapts a mixture of experts' router and experts) is not supported"
-                                          f"{_moe_hint(['experts'])}"),
+                                          f"{MOE_HINT}"),
         (config.get("rank_pattern") or config.get("alpha_pattern"),
          "per-module ranks or alphas (rank_pattern, alpha_pattern) are not supported"),
     ]
