@@ -1,7 +1,9 @@
 """SamplingParams: how each request is completed; fields, defaults and meanings are vLLM's."""
 import copy
+import dataclasses
 import json
 import math
+import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from numbers import Integral, Real
@@ -180,6 +182,24 @@ class SamplingParams:
 
     def __post_init__(self):
         self.validate()
+
+    @classmethod
+    def from_optional(cls, **kwargs) -> "SamplingParams":
+        """SamplingParams from arguments that may be None where the field takes none (vLLM's
+        SamplingParams.from_optional, as an OpenAI request's absent fields arrive): such a None
+        gives the field's default (n=None -> 1, temperature=None -> 1.0); a None where the field
+        means something by it is kept (max_tokens=None: up to max_model_len). logit_bias's keys
+        become ints and its biases are clamped to [-100, 100] (OpenAI's range). TypeError for a
+        name that is not a field; then validate()'s errors."""
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(kwargs) - set(fields))
+        if unknown:
+            raise TypeError(f"SamplingParams has no field(s) {unknown}")
+        kwargs = {name: value for name, value in kwargs.items()
+                  if value is not None or type(None) in typing.get_args(fields[name].type)}
+        if kwargs.get("logit_bias") is not None:
+            kwargs["logit_bias"] = {int(t): min(100.0, max(-100.0, b)) for t, b in kwargs["logit_bias"].items()}
+        return cls(**kwargs)
 
     def clone(self) -> "SamplingParams":
         """A deep copy (vLLM's SamplingParams.clone), to change fields of without touching this one."""

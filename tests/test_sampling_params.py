@@ -397,3 +397,14 @@ def test_clone_is_a_deep_copy():
     copy = params.clone()
     copy.logit_bias[1] = 0.0
     assert params.logit_bias == {1: 2.0} and copy == SamplingParams(stop=["a"], logit_bias={1: 0.0})
+
+
+def test_from_optional_gives_defaults_for_none_where_a_field_takes_none():
+    params = SamplingParams.from_optional(n=None, temperature=None, top_k=None, max_tokens=None, seed=None,
+                                          top_p=0.5, logit_bias={"5": 300, 7: -0.5})
+    assert params == SamplingParams(max_tokens=None, top_p=0.5, logit_bias={5: 100.0, 7: -0.5})
+    assert SamplingParams.from_optional() == SamplingParams()
+    with pytest.raises(TypeError, match="tempreature"):
+        SamplingParams.from_optional(tempreature=0.5)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams.from_optional(temperature=-1.0)
