@@ -134,6 +134,9 @@ def moe_gate_up_pairs_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, N, K, logi
     if expert < 0:
         return
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if HAS_SCALE:  # issued before the product, whose loads hide its round trip
+        gate_scale = tl.load(scale_ptr + expert * 2 * N + rn, mask=rn < N, other=0.0)
+        up_scale = tl.load(scale_ptr + expert * 2 * N + N + rn, mask=rn < N, other=0.0)
     rk = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (pair // TOP_K).to(tl.int64) * K + rk
     gate_ptrs = w_ptr + expert * 2 * N * K + rn[:, None] * K + rk[None, :]
@@ -146,8 +149,8 @@ def moe_gate_up_pairs_kernel(x_ptr, w_ptr, scale_ptr, ids_ptr, h_ptr, N, K, logi
         acc_up += widen(tl.load(gate_ptrs + N * K + k, mask=mask, other=0.0), HAS_SCALE) * x
     gate, up = tl.sum(acc_gate, 1), tl.sum(acc_up, 1)
     if HAS_SCALE:
-        gate *= tl.load(scale_ptr + expert * 2 * N + rn, mask=rn < N, other=0.0)
-        up *= tl.load(scale_ptr + expert * 2 * N + N + rn, mask=rn < N, other=0.0)
+        gate *= gate_scale
+        up *= up_scale
     tl.store(h_ptr + pair.to(tl.int64) * N + rn, _silu_mul(gate, up).to(h_ptr.dtype.element_ty), mask=rn < N)
     if ROUTE:  # the weight after the product: off the path to the first weight loads
         tl.store(weights_ptr + pair, tl.sum(tl.where(mine, topk_weights(logits, chosen, RENORMALIZE), 0.0), 0),
@@ -172,6 +175,10 @@ def moe_down_pairs_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + experts[:, None, None] * N * K + rn[None, :, None] * K + rk[None, None, :]
     w_mask = live[:, None, None] & (rn[None, :, None] < N)
+    # the routing weights (and scales) before the product, whose loads hide their round trip
+    route = tl.load(weights_ptr + pairs, mask=live, other=0.0)
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + experts[:, None] * N + rn[None, :], mask=live[:, None] & (rn[None, :] < N), other=0.0)
     acc = tl.zeros([TOP_K_P2, BLOCK_N, BLOCK_K], tl.float32)
     for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         h = tl.load(h_ptr + pairs[:, None] * K + k + rk[None, :], mask=live[:, None] & (rk[None, :] + k < K),
@@ -180,8 +187,8 @@ def moe_down_pairs_kernel(h_ptr, w_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr
         acc += widen(w, HAS_SCALE) * h[:, None, :]
     y = tl.sum(acc, 2)  # [TOP_K_P2, BLOCK_N]
     if HAS_SCALE:
-        y *= tl.load(scale_ptr + experts[:, None] * N + rn[None, :], mask=live[:, None] & (rn[None, :] < N), other=0.0)
-    y *= tl.load(weights_ptr + pairs, mask=live, other=0.0)[:, None]
+        y *= scale
+    y *= route[:, None]
     tl.store(out_ptr + token.to(tl.int64) * out_stride + rn, tl.sum(y, 0).to(out_ptr.dtype.element_ty), mask=rn < N)
 
 

@@ -173,12 +173,18 @@ def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, res_ptr, norm_w_ptr, r
                         mask=(rn[:, None] < N * (slot >= 0).to(tl.int32)) & (r[None, :] < R), other=0.0)
             s_ptrs, s_mask = _shrink_words(s_ptr + (pid % COPIES) * s_words, rn, N, R, B1, B2, BLOCK_R)
             words = tl.load(s_ptrs, mask=s_mask, other=0x10000, volatile=True)  # there for programs of later waves
+        # scale and bias before the wait too: loaded after the product they were a round trip to
+        # memory at the end of every program
+        if SCALED:
+            scale = tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
         y = _dot_rows(x_ptr, w_ptr, rn, N, K, eps, res_ptr, norm_w_ptr, res_out_ptr, normed_ptr, res_cols, SCALED,
                       GATED, NORM, HAS_RESIDUAL, STORE_NORMED, BLOCK_N, BLOCK_K, PDL)
         if SCALED:
-            y *= tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
+            y *= scale
         if HAS_BIAS:
-            y += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+            y += bias
         if LORA:
             if slot >= 0:  # the base product rounded, then the delta added (as add_lora adds it)
                 y = _lora_delta(y.to(y_ptr.dtype.element_ty).to(tl.float32), b, words, s_ptrs, s_mask)
