@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from nanovllm.engine_args import DTYPES, GRAMMAR_BACKENDS, KV_CACHE_DTYPES, EngineArgs, SpeculativeConfig
-from nanovllm.loader.source import load_tokenizer, read_generation_defaults, read_hf_config, resolve_path
+from nanovllm.loader.source import (generation_defaults, load_tokenizer, read_generation_config, read_hf_config,
+                                    resolve_path)
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +61,11 @@ class Config(EngineArgs):
                         seed=random.SystemRandom().getrandbits(31) if args.seed is None else args.seed, tokenizer=tok,
                         speculative_config=args.speculative_config and SpeculativeConfig.from_dict(args.speculative_config),
                         structured_outputs_config={"backend": _resolve_grammar_backend(args.structured_outputs_config)})
+        generation_config = read_generation_config(path, load_format)
         return cls(**{f.name: getattr(args, f.name) for f in fields(EngineArgs)} | resolved, hf_config=hf_config,
-                   eos_token_ids=_eos_token_ids(hf_config, tok),
+                   eos_token_ids=_eos_token_ids(hf_config, tok, generation_config),
                    max_model_len_is_default=args.max_model_len is None,
-                   generation_defaults=read_generation_defaults(path, load_format)
+                   generation_defaults=generation_defaults(generation_config)
                    if args.generation_config == "auto" else {})
 
 
@@ -145,10 +147,14 @@ def _resolve_max_model_len(max_model_len: int | None, hf_config) -> int:
     return max_model_len or max_pos
 
 
-def _eos_token_ids(hf_config, tokenizer) -> frozenset:
-    """The config's eos_token_id (an id or a list) and the tokenizer's."""
-    ids = getattr(hf_config, "eos_token_id", None)
-    ids = set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
+def _eos_token_ids(hf_config, tokenizer, generation_config: dict) -> frozenset:
+    """The eos_token_id (an id or a list) of the config and of generation_config.json, and the
+    tokenizer's: Qwen3's generation config adds <|endoftext|> to config.json's <|im_end|>, and
+    vLLM stops at both whatever its generation_config argument (SamplingParams.
+    update_from_generation_config)."""
+    ids = set()
+    for value in (getattr(hf_config, "eos_token_id", None), generation_config.get("eos_token_id")):
+        ids.update(value if isinstance(value, (list, tuple)) else [] if value is None else [value])
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)

@@ -210,6 +210,20 @@ def test_generation_config_gives_the_defaults(tiny_qwen3, tmp_path):
     assert LLM(str(path), generation_config="vllm", **ARGS).get_default_sampling_params() == SamplingParams()
 
 
+def test_generation_configs_eos_ids_end_completions(llm, tiny_qwen3, tmp_path):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    stop = tokens[2]
+    path = tmp_path / "m"
+    shutil.copytree(tiny_qwen3[0], path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop]}))
+    for generation_config in ("auto", "vllm"):  # vLLM stops at them whatever its generation_config
+        engine = LLM(str(path), generation_config=generation_config, **ARGS)
+        out = engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == tokens[:tokens.index(stop) + 1] and out.finish_reason == "stop"
+        assert engine.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids == tokens
+
+
 def test_prompt_logprobs_equal_the_log_softmax(tiny_qwen3):
     """A 50-token prompt prefilled in chunks of at most 24 tokens: every prompt token after the
     first gets its raw logprob, rank and top 2 from the logits of the token before it; a second

@@ -116,17 +116,23 @@ GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": 
                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
-def read_generation_defaults(path: str, load_format: str) -> dict:
-    """The SamplingParams defaults that the model's generation_config.json sets (of those
-    GENERATION_DEFAULTS maps; max_new_tokens becomes max_tokens), as vLLM's
-    generation_config="auto"; {} when there is none (GGUF files, builtin configs)."""
+def read_generation_config(path: str, load_format: str) -> dict:
+    """The fields the model's generation_config.json sets (transformers' GenerationConfig, as a
+    diff dict); {} when there is none (GGUF files, builtin configs). ValueError when it cannot be
+    read."""
     if load_format == "gguf" or not os.path.isfile(os.path.join(path, "generation_config.json")):
         return {}
     try:
-        config = GenerationConfig.from_pretrained(path).to_diff_dict()
+        return GenerationConfig.from_pretrained(path).to_diff_dict()
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {path}/generation_config.json: {e}") from None
-    return {name: config[k] for k, name in GENERATION_DEFAULTS.items() if config.get(k) is not None}
+
+
+def generation_defaults(generation_config: dict) -> dict:
+    """The SamplingParams defaults a generation config sets (of those GENERATION_DEFAULTS maps;
+    max_new_tokens becomes max_tokens), as vLLM's generation_config="auto"."""
+    return {name: generation_config[k] for k, name in GENERATION_DEFAULTS.items()
+            if generation_config.get(k) is not None}
 
 
 def iter_weights(path: str, load_format: str, hf_config: PretrainedConfig):
