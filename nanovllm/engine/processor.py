@@ -102,6 +102,12 @@ class Processor:
             if "prompt_token_ids" not in prompt and "prompt" not in prompt:
                 raise ValueError(f"a prompt dict needs \"prompt\" (text) or \"prompt_token_ids\", got keys "
                                  f"{sorted(prompt)}")
+            unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+            if unknown:  # vLLM's other keys (multimodal data, cache_salt, ...): refused, not ignored
+                multimodal = any(k.startswith(("multi_modal", "mm_")) for k in unknown)
+                why = ("multimodal input is not supported (text-only models)" if multimodal
+                       else "a prompt dict takes only \"prompt\" and \"prompt_token_ids\"")
+                raise ValueError(f"prompt dict key(s) {unknown}: {why}")
             prompt = prompt.get("prompt_token_ids", text)
         ids = self._token_ids(prompt, params.truncate_prompt_tokens)
         if self.tokenizer is None and (params.stop_strings or params.bad_words):
