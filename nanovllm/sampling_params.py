@@ -2,11 +2,18 @@
 import copy
 import dataclasses
 import json
+import logging
 import math
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from numbers import Integral, Real
+
+
+logger = logging.getLogger(__name__)
+
+# vLLM's: logits divided by a smaller temperature overflow float32 (inf, then NaN probabilities)
+MIN_TEMPERATURE = 0.01
 
 
 class RequestOutputKind(Enum):
@@ -104,7 +111,8 @@ class SamplingParams:
     """How to pick each next token and when to stop (vLLM's `SamplingParams`).
 
     n: independent completions of the prompt (the prompt is prefilled once).
-    temperature: 0 is greedy (argmax); otherwise logits are divided by it.
+    temperature: 0 is greedy (argmax); otherwise logits are divided by it (at least 0.01: a smaller
+    one is raised to it, with a warning, as vLLM does).
     top_k: keep the k most likely tokens (0, -1, or the vocabulary's size or more: all). top_p: keep
     the smallest set whose probability reaches top_p, in (0, 1]. min_p: drop tokens below min_p
     times the top one's, in [0, 1].
@@ -216,6 +224,10 @@ class SamplingParams:
         _real(self, "frequency_penalty", -2, 2)
         _real(self, "repetition_penalty", 0, math.inf, low_open=True)
         _real(self, "temperature", 0, math.inf)
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %s is below %s, which overflows the logits; using %s (as vLLM)",
+                           self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         _real(self, "top_p", 0, 1, low_open=True)
         _real(self, "min_p", 0, 1)
         _int(self, "top_k", -1)

@@ -422,3 +422,12 @@ def test_from_optional_gives_defaults_for_none_where_a_field_takes_none():
         SamplingParams.from_optional(tempreature=0.5)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams.from_optional(temperature=-1.0)
+
+
+def test_tiny_temperatures_are_raised_to_the_least_that_does_not_overflow(llm, caplog):
+    with caplog.at_level("WARNING"):
+        params = SamplingParams(temperature=1e-40, seed=3, max_tokens=12, ignore_eos=True)
+    assert params.temperature == 0.01 and "below 0.01" in caplog.text
+    least = SamplingParams(temperature=0.01, seed=3, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7]] * 2, [params, least], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
