@@ -221,7 +221,12 @@ class EngineArgs:
 
     def validate(self):
         """Raise ValueError naming the first argument that is wrong and what it allows (what needs
-        the model, such as max_model_len against its positions, is Config.create's)."""
+        the model, such as max_model_len against its positions, is Config.create's). A torch dtype
+        for dtype or kv_cache_dtype (as vLLM takes) becomes its name."""
+        for name, names in (("dtype", DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES)):
+            value = getattr(self, name)
+            if isinstance(value, torch.dtype):
+                setattr(self, name, next((key for key, dtype in names.items() if dtype == value), value))
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size",
                      "data_parallel_size", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
@@ -283,8 +288,12 @@ class EngineArgs:
         config = self.structured_outputs_config
         if config is None:
             return
-        if not isinstance(config, dict) or set(config) - {"backend"}:
+        if not isinstance(config, dict):
             raise ValueError(f'structured_outputs_config must be a dict with the key "backend", got {config!r}')
+        if set(config) - {"backend"}:  # vLLM's other keys: their per-request forms are StructuredOutputsParams'
+            raise ValueError(f"structured_outputs_config takes only \"backend\", got {sorted(set(config) - {'backend'})}; "
+                             f"disable_any_whitespace, disable_additional_properties and whitespace_pattern are "
+                             f"StructuredOutputsParams' fields here")
         backend = config.get("backend", "auto")
         if backend not in ("auto", *GRAMMAR_BACKENDS):
             raise ValueError(f"structured_outputs_config backend must be one of {['auto', *GRAMMAR_BACKENDS]}, "

@@ -4,6 +4,7 @@ import os
 from dataclasses import replace
 
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
 from tests.conftest import VOCAB, hf_greedy, random_prompts
@@ -135,6 +136,16 @@ def test_bad_engine_arguments(tiny_qwen3):
         with pytest.raises(ValueError, match=message):
             LLM(path, **{"device": "cpu", **kwargs})
     assert os.path.isdir(path)
+
+
+def test_torch_dtypes_name_the_dtype(tiny_qwen3):
+    """vLLM takes dtype=torch.float16 as well as "float16"."""
+    from nanovllm.engine_args import EngineArgs
+    args = EngineArgs(model=tiny_qwen3[0], dtype=torch.bfloat16, kv_cache_dtype=torch.float8_e4m3fn)
+    args.validate()
+    assert (args.dtype, args.kv_cache_dtype) == ("bfloat16", "fp8")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        EngineArgs(model=tiny_qwen3[0], dtype=torch.int8).validate()
 
 
 def test_trust_remote_code_reaches_transformers(tiny_qwen3, monkeypatch):

@@ -387,8 +387,10 @@ def test_bad_structured_outputs_arguments(tiny, tiny_qwen3):
         SamplingParams(structured_outputs={"regex": "a"})
     with pytest.raises(ValueError, match="structured_outputs_config backend must be one of"):
         LLM(tiny[0], structured_outputs_config={"backend": "outlines"}, **ARGS)
-    with pytest.raises(ValueError, match="structured_outputs_config must be a dict"):
+    with pytest.raises(ValueError, match=r"structured_outputs_config takes only \"backend\", got \['engine'\]"):
         LLM(tiny[0], structured_outputs_config={"engine": "xgrammar"}, **ARGS)
+    with pytest.raises(ValueError, match="structured_outputs_config must be a dict"):
+        LLM(tiny[0], structured_outputs_config="xgrammar", **ARGS)
     no_tokenizer = LLM(tiny_qwen3[0], **ARGS)
     with pytest.raises(ValueError, match="request 0: structured_outputs needs the model's tokenizer"):
         no_tokenizer.generate([[1, 2]], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")))
