@@ -289,6 +289,8 @@ class SamplingParams:
         self.takes_drafts = not one_row
 
     def _unsupported(self):
+        if isinstance(self.best_of, Integral) and isinstance(self.n, Integral) and self.best_of < self.n:
+            raise ValueError(f"best_of must be at least n, got n={self.n} and best_of={self.best_of}")
         if self.best_of is not None and self.best_of != self.n:
             raise NotImplementedError(f"best_of={self.best_of} is not supported: ask for n={self.best_of} completions with logprobs=0 and keep the one of "
                                       f"highest cumulative_logprob")

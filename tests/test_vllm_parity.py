@@ -277,6 +277,8 @@ def test_unsupported_sampling_features_say_so(kwargs, names):
         SamplingParams(**kwargs)
     assert all(name in str(error.value) for name in names), str(error.value)
     assert SamplingParams(n=3, best_of=3).n == 3  # best_of equal to n is what n does
+    with pytest.raises(ValueError, match="best_of must be at least n, got n=2 and best_of=1"):
+        SamplingParams(n=2, best_of=1)
 
 
 @pytest.mark.parametrize("kwargs", [dict(guided_decoding={"json": {"type": "object"}}),
