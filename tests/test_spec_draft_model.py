@@ -104,6 +104,11 @@ def test_a_draft_model_of_another_vocabulary_fails_up_front(tiny_qwen3, tmp_path
         LLM(path, **ARGS, speculative_config={"model": draft, "num_speculative_tokens": 2})
 
 
+def test_a_missing_draft_model_is_named_as_the_draft(tiny_qwen3, tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"speculative_config model '{tmp_path}/none': .*does not exist"):
+        LLM(tiny_qwen3[0], **ARGS, speculative_config={"model": str(tmp_path / "none"), "num_speculative_tokens": 2})
+
+
 def test_a_draft_model_of_fewer_positions_than_max_model_len_fails_up_front(tiny_qwen3, tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
     path, _ = tiny_qwen3

@@ -26,12 +26,15 @@ def draft_config(config: Config, head: bool = False) -> Config:
     most = min(config.max_num_seqs, spec.disable_by_batch_size or config.max_num_seqs)
     tokens = max(min(most * config.max_model_len, DRAFT_POOL_TOKENS), config.max_model_len)
     dtype = next(name for name, d in DTYPES.items() if d == config.dtype)
-    draft = Config.create(EngineArgs(
-        spec.model, max_num_seqs=most, max_num_batched_tokens=config.max_num_batched_tokens,
-        kvcache_block_size=block_size, num_kvcache_blocks=-(-tokens // block_size), enable_prefix_caching=False,
-        enforce_eager=config.enforce_eager, dtype=dtype, device=config.device.type,
-        load_format="dummy" if config.load_format == "dummy" else "auto", attention_backend=config.attention_backend,
-        seed=config.seed, trust_remote_code=config.trust_remote_code), with_tokenizer=False)
+    try:
+        draft = Config.create(EngineArgs(
+            spec.model, max_num_seqs=most, max_num_batched_tokens=config.max_num_batched_tokens,
+            kvcache_block_size=block_size, num_kvcache_blocks=-(-tokens // block_size), enable_prefix_caching=False,
+            enforce_eager=config.enforce_eager, dtype=dtype, device=config.device.type,
+            load_format="dummy" if config.load_format == "dummy" else "auto", attention_backend=config.attention_backend,
+            seed=config.seed, trust_remote_code=config.trust_remote_code), with_tokenizer=False)
+    except (FileNotFoundError, ValueError) as e:  # say which of the two models it is about
+        raise type(e)(f"speculative_config model {spec.model!r}: {e}") from None
     hf = draft.hf_config
     model_class(hf, draft_head=head)
     if hf.vocab_size != config.hf_config.vocab_size:
