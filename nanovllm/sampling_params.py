@@ -126,8 +126,8 @@ class SamplingParams:
     text unless include_stop_str_in_output). ignore_eos: go on past EOS.
     max_tokens: most completion tokens (None: up to max_model_len). min_tokens: EOS and
     stop_token_ids are masked (and stop strings ignored) until this many were generated.
-    logprobs: return the log-probabilities of the sampled token and this many top tokens per step.
-    prompt_logprobs: likewise for each prompt token. flat_logprobs: return them as a FlatLogprobs
+    logprobs: return the log-probabilities of the sampled token and this many top tokens per step
+    (-1: the whole vocabulary). prompt_logprobs: likewise for each prompt token. flat_logprobs: return them as a FlatLogprobs
     sequence whose {token id: Logprob} dicts are made when read (cheaper when few are read), not
     as a list of dicts. detokenize: produce text.
     skip_special_tokens, spaces_between_special_tokens: how text is decoded (as transformers' decode).
@@ -239,8 +239,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be at most max_tokens={self.max_tokens}, got {self.min_tokens}")
         _int(self, "min_tokens", 0)
         for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None:
-                _int(self, name, 0)
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, Integral) or isinstance(value, bool) or value < -1):
+                raise ValueError(f"{name} must be None, -1 (the whole vocabulary) or an integer >= 0, got {value!r}")
         k = self.truncate_prompt_tokens
         if k is not None and (not isinstance(k, Integral) or isinstance(k, bool) or not (k == -1 or k >= 1)):
             raise ValueError(f"truncate_prompt_tokens must be None, -1 (max_model_len) or an integer >= 1, got {k!r}")

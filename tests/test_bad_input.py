@@ -75,7 +75,7 @@ def test_sampling_params_of_the_wrong_type(llm, tiny_qwen3):
     (dict(presence_penalty=3.0), r"presence_penalty must be a finite number in \[-2, 2\]"),
     (dict(min_tokens=20), "min_tokens must be at most max_tokens=16, got 20"),
     (dict(min_tokens=-1), "min_tokens must be an integer >= 0"),
-    (dict(logprobs=-2), "logprobs must be an integer >= 0"),
+    (dict(logprobs=-2), r"logprobs must be None, -1 \(the whole vocabulary\) or an integer >= 0"),
     (dict(stop=[""]), "stop must be a non-empty string or a list of them"),
     (dict(logit_bias={1: float("inf")}), "logit_bias must map token ids to finite numbers"),
     (dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),

@@ -265,6 +265,22 @@ def test_logprobs_beyond_the_vocabulary_are_refused(tiny_qwen3):
                .outputs[0].logprobs[0]) == VOCAB
 
 
+def test_logprobs_minus_one_is_the_whole_vocabulary(tiny_qwen3):
+    """vLLM's logprobs=-1 and prompt_logprobs=-1: every token's, within max_logprobs."""
+    llm = LLM(tiny_qwen3[0], max_logprobs=-1, **ARGS)
+    whole = SamplingParams(max_tokens=2, logprobs=-1, prompt_logprobs=-1, temperature=0)
+    out = llm.generate([[1, 2, 3]], whole, use_tqdm=False)[0]
+    same = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=VOCAB, prompt_logprobs=VOCAB, temperature=0),
+                        use_tqdm=False)[0]
+    assert whole.logprobs == -1 and len(out.outputs[0].logprobs[0]) == VOCAB == len(out.prompt_logprobs[1])
+    assert out.outputs[0].logprobs == same.outputs[0].logprobs and out.prompt_logprobs == same.prompt_logprobs
+    limited = LLM(tiny_qwen3[0], **ARGS)
+    with pytest.raises(ValueError, match=f"logprobs=-1 \\(the whole vocabulary, {VOCAB}\\) is more than max_logprobs=20"):
+        limited.generate([[1, 2]], SamplingParams(logprobs=-1), use_tqdm=False)
+    with pytest.raises(ValueError, match="logprobs must be None, -1"):
+        SamplingParams(logprobs=-2)
+
+
 # ---- what vLLM has and nanovllm does not ------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,names", [

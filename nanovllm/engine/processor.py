@@ -1,7 +1,7 @@
 """Requests in and out: validating and tokenizing prompts into a Request (its Sequences), and
 a Request's state into the RequestOutput that step() reports."""
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from numbers import Integral
 
 from nanovllm.config import Config
@@ -95,6 +95,9 @@ class Processor:
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         self._check_limits(params)
+        if -1 in (params.logprobs, params.prompt_logprobs):  # vLLM's "the whole vocabulary", for this model
+            params = replace(params, **{name: self.vocab_size for name in ("logprobs", "prompt_logprobs")
+                                     if getattr(params, name) == -1})
         if lora_request is not None:
             self.check_lora(lora_request)
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
@@ -143,9 +146,11 @@ class Processor:
     def _check_limits(self, params: SamplingParams):
         """What only the engine knows: logprobs within max_logprobs, token ids inside the vocabulary."""
         for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
+            asked = getattr(params, name)
+            k = self.vocab_size if asked == -1 else asked
             if k is not None and self.max_logprobs != -1 and k > self.max_logprobs:
-                raise ValueError(f"{name}={k} is more than max_logprobs={self.max_logprobs}; "
+                whole = f" (the whole vocabulary, {k})" if asked == -1 else ""
+                raise ValueError(f"{name}={asked}{whole} is more than max_logprobs={self.max_logprobs}; "
                                  f"raise the engine argument max_logprobs (-1: no limit)")
             if k is not None and k > self.vocab_size:
                 raise ValueError(f"{name}={k} is more than the vocabulary's {self.vocab_size} tokens")
