@@ -369,6 +369,20 @@ def test_invalid_constraints_fail_before_any_work(llm, tiny, bad, field):
     assert re.fullmatch("[0-9]+", llm.generate([tokenizer.encode("a")], good, use_tqdm=False)[0].outputs[0].text)
 
 
+def test_a_grammar_left_no_token_by_other_constraints_aborts(llm, tiny, caplog):
+    """allowed_token_ids that the grammar allows none of: what is sampled is refused, and the
+    completion ends as "abort" (logged), not as a grammar's "stop"."""
+    tokenizer = tiny[2]
+    digits = [tokenizer.convert_tokens_to_ids(d) for d in "0123456789"]
+    params = SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=digits,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    with caplog.at_level("WARNING"):
+        out = llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "abort" and "its grammar does not allow token" in caplog.text
+    fine = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    assert llm.generate(["Hello"], fine, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
+
+
 def test_bad_structured_outputs_arguments(tiny, tiny_qwen3):
     """Wrong types and combinations name the field; a backend option another backend lacks, a
     model without a tokenizer, and a bad engine argument are refused up front."""

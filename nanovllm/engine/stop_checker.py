@@ -13,7 +13,8 @@ def check_stop(seq: Sequence, token: int, num_tokens: int, eos_token_ids: frozen
     ("stop", s) for a stop string s completed by new_text (the text the token added; the
     detokenized text is then cut, see cut_stop_string); ("stop", None) when its grammar
     (structured_outputs, fed the token here if the sampler has not) is complete, so that only EOS
-    could follow, whatever ignore_eos and min_tokens say, or refused the token (logged);
+    could follow, whatever ignore_eos and min_tokens say; ("abort", None) when it refused the token
+    (logged), which only other constraints leaving no token it allows can bring about;
     ("length", None) once the completion holds max_tokens tokens or the sequence max_model_len.
     Before min_tokens completion tokens only "length" or the grammar can end it (the sampler masks
     EOS and stop ids until then). With token = PLACEHOLDER (sampled, not read yet) only "length"
@@ -30,7 +31,7 @@ def check_stop(seq: Sequence, token: int, num_tokens: int, eos_token_ids: frozen
                 cut_stop_string(seq, *found)
                 return "stop", found[0]
     if token != PLACEHOLDER and seq.grammar is not None and seq.grammar.advance(seq):
-        return "stop", None
+        return "abort" if seq.grammar.refused else "stop", None
     if (sp.max_tokens is not None and num_completion_tokens >= sp.max_tokens) or num_tokens >= max_model_len:
         return "length", None
     return None
