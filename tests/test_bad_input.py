@@ -43,6 +43,8 @@ def still_works(llm, hf_model):
     ([[1, 2]], SamplingParams(stop_token_ids=[VOCAB]), "stop_token_ids .* outside the vocabulary"),
     ([[1, 2]], SamplingParams(logit_bias={VOCAB + 3: 1.0}), "logit_bias token ids .* outside the vocabulary"),
     ([[1, 2]], SamplingParams(stop=["x"]), "need the model's tokenizer"),
+    ([[1, 2]], SamplingParams(allowed_token_ids=[5], stop_token_ids=[5], min_tokens=2),
+     r"min_tokens=2 masks every one of allowed_token_ids \[5\]"),
     ([[1, 2]], SamplingParams(logprobs=21), r"logprobs=21 is more than max_logprobs=20; raise the engine argument"),
     ([[1, 2]], SamplingParams(prompt_logprobs=50), "prompt_logprobs=50 is more than max_logprobs=20"),
 ])

@@ -144,7 +144,8 @@ class Processor:
         return seq
 
     def _check_limits(self, params: SamplingParams):
-        """What only the engine knows: logprobs within max_logprobs, token ids inside the vocabulary."""
+        """What only the engine knows: logprobs within max_logprobs, token ids inside the vocabulary,
+        allowed_token_ids that min_tokens does not mask every one of (it masks EOS ids)."""
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(params, name)
             k = self.vocab_size if asked == -1 else asked
@@ -154,6 +155,11 @@ class Processor:
                                  f"raise the engine argument max_logprobs (-1: no limit)")
             if k is not None and k > self.vocab_size:
                 raise ValueError(f"{name}={k} is more than the vocabulary's {self.vocab_size} tokens")
+        masked = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else self.eos_token_ids)
+        if params.min_tokens and params.allowed_token_ids is not None and set(params.allowed_token_ids) <= masked:
+            raise ValueError(f"min_tokens={params.min_tokens} masks every one of allowed_token_ids "
+                             f"{sorted(params.allowed_token_ids)} (end-of-sequence or stop_token_ids) until then: "
+                             f"nothing could be sampled")
         for name in ("stop_token_ids", "allowed_token_ids"):
             bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
             if bad:
