@@ -127,9 +127,9 @@ class SamplingParams:
     max_tokens: most completion tokens (None: up to max_model_len). min_tokens: EOS and
     stop_token_ids are masked (and stop strings ignored) until this many were generated.
     logprobs: return the log-probabilities of the sampled token and this many top tokens per step
-    (-1: the whole vocabulary). prompt_logprobs: likewise for each prompt token. flat_logprobs: return them as a FlatLogprobs
-    sequence whose {token id: Logprob} dicts are made when read (cheaper when few are read), not
-    as a list of dicts. detokenize: produce text.
+    (-1: the whole vocabulary). prompt_logprobs: likewise for each prompt token. flat_logprobs:
+    return them as a FlatLogprobs sequence whose {token id: Logprob} dicts are made when read
+    (cheaper when few are read), not as a list of dicts. detokenize: produce text.
     skip_special_tokens, spaces_between_special_tokens: how text is decoded (as transformers' decode).
     logit_bias: {token id: bias added to its logit}. allowed_token_ids: only these may be sampled.
     bad_words: words never generated (each token sequence of the word, with and without a leading

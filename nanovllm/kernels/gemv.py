@@ -173,8 +173,8 @@ def gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, res_ptr, norm_w_ptr, r
                         mask=(rn[:, None] < N * (slot >= 0).to(tl.int32)) & (r[None, :] < R), other=0.0)
             s_ptrs, s_mask = _shrink_words(s_ptr + (pid % COPIES) * s_words, rn, N, R, B1, B2, BLOCK_R)
             words = tl.load(s_ptrs, mask=s_mask, other=0x10000, volatile=True)  # there for programs of later waves
-        # scale and bias before the wait too: loaded after the product they were a round trip to
-        # memory at the end of every program
+        # scale and bias before the wait too, so that their round trip to memory overlaps the
+        # product instead of ending every program
         if SCALED:
             scale = tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
         if HAS_BIAS:
