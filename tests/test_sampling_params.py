@@ -169,6 +169,29 @@ def test_step_api_streams_and_aborts(tiny_qwen3):
     assert engine.block_manager.num_free_blocks == engine.model_runner.num_kvcache_blocks
 
 
+def test_an_id_reused_after_its_abort_gets_only_the_new_requests_outputs(tiny_qwen3):
+    """The step launched before the abort still holds the aborted request's rows; read after the
+    id names a new request, they must not become its tokens or prompt logprobs."""
+    engine = LLMEngine.from_engine_args(tiny_qwen3[0], **ARGS)
+    old, new = random_prompts([30, 9], seed=35)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=0)
+    alone = LLMEngine.from_engine_args(tiny_qwen3[0], **ARGS)
+    alone.add_request("x", new, params)
+    expected = []
+    while alone.has_unfinished_requests():
+        expected += alone.step()
+    engine.add_request("x", old, params)
+    engine.step()
+    engine.abort_request("x")
+    engine.add_request("x", new, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 2, 3, 4]
+    assert outputs[-1].outputs[0].token_ids == expected[-1].outputs[0].token_ids
+    assert outputs[-1].prompt_logprobs == expected[-1].prompt_logprobs and len(outputs[-1].prompt_logprobs) == 9
+
+
 def test_aborting_a_waiting_request_leaves_the_others(tiny_qwen3):
     """A request aborted while it waits behind others leaves the queue alone: the others finish."""
     engine = LLMEngine.from_engine_args(tiny_qwen3[0], **ARGS)

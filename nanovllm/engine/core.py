@@ -70,11 +70,21 @@ class EngineCore(EngineBase):
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Drop unfinished requests by id (unknown ids are ignored) and free their KV blocks."""
+        aborted = set()
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             request = self.requests.pop(rid, None)
             for seq in request.seqs if request else ():
+                aborted.add(seq.seq_id)
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "abort")
+        if aborted and self._inflight is not None:  # its rows are read after the id may name a new request
+            launched, positions = self._inflight
+            for row, seq in enumerate(launched.seqs):
+                if seq.seq_id in aborted:
+                    positions[row] = STALE
+            if launched.prompt_logprobs is not None:
+                spans = launched.prompt_logprobs[0]
+                spans[:] = [(None if seq.seq_id in aborted else seq, first, count) for seq, first, count in spans]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self._inflight is not None
@@ -299,7 +309,7 @@ class EngineCore(EngineBase):
         preemption (or by a completion that could not fork) gives positions already there."""
         arrays, row = logprobs.numpy(), 0
         for seq, first, count in spans:
-            request = self.requests.get(seq.request_id)
+            request = self.requests.get(seq.request_id) if seq is not None else None  # None: aborted
             for pos in range(first + 1, first + count + 1):
                 if request is not None and pos == len(request.prompt_logprobs):
                     request.prompt_logprobs.append((arrays, row))
