@@ -78,12 +78,25 @@ def test_data_parallel_matches_one_replica(tiny_qwen3):
 
     engine._dispatch = dispatch
     assert completions(llm, prompts, params) == expected
-    assert {i for i, _ in sent} == {0, 1}  # both replicas served the call
+    assert {i for i, *_ in sent} == {0, 1}  # both replicas served the call
     outputs = llm.generate(prompts[:3], params[:3], use_tqdm=False)  # a second, smaller call
     assert [o.token_ids for o in outputs] == expected[:3]
     with pytest.raises(ValueError, match="request 1: the prompt is empty"):
         llm.generate([[1, 2], []], GREEDY)
     assert llm.reset_prefix_cache()
+    # an id reused right after its abort gets the new request's outputs only, though its replica had
+    # sent some of the aborted one's
+    five = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    engine.add_request("x", prompts[0], five)
+    engine.step()
+    time.sleep(1.0)
+    engine.abort_request("x")
+    engine.add_request("x", prompts[1], five)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert {o.prompt_token_ids == prompts[1] for o in outputs} == {True}
+    assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == expected[1]
     procs = llm.engine.procs
     del llm, dispatch
     engine = send = None  # the closure's names: released, as the engine must be for its replicas to exit
@@ -102,7 +115,7 @@ def test_router_balances_kv_reads():
         abort_all_requests = reset_prefix_cache = None
 
         def _send(self, i, batch):
-            sent[i] += [request_id for request_id, *_ in batch]
+            sent[i] += [self._sent[sent_id] for sent_id, *_ in batch]  # the ids the replicas know them by, mapped back
 
     sent = {0: [], 1: []}
     router = Recording(Config.create(EngineArgs("Qwen/Qwen3-0.6B", load_format="dummy", device="cpu")), 2)

@@ -1,6 +1,7 @@
 """ReplicaRouter: what a data-parallel engine does in this process, whatever carries the messages
 to its replicas (pipes to local processes in data_parallel.py, Ray actors in ray_replicas.py)."""
 from dataclasses import replace
+from itertools import count
 
 from nanovllm.config import Config
 from nanovllm.engine.base import EngineBase
@@ -30,7 +31,12 @@ class ReplicaRouter(EngineBase):
         self.config = config
         self.processor = Processor(config)
         self._pending: list[tuple] = []  # validated (id, prompt, params, arrival_time, lora_request, load) not sent yet
-        self._owner: dict[str, tuple[int, int]] = {}  # request id -> (replica, load) of every sent, unfinished one
+        # request id -> (replica, load, id sent) of every sent, unfinished one; id sent -> request id. A
+        # replica knows each request by an id of its own, so that outputs it sent before an abort are
+        # not taken for those of a later request given the same id
+        self._owner: dict[str, tuple[int, int, str]] = {}
+        self._sent: dict[str, str] = {}
+        self._sent_ids = count()
         self._loads = [0] * num_replicas
 
     def _set_max_model_len(self, max_model_len: int):
@@ -84,23 +90,34 @@ class ReplicaRouter(EngineBase):
         if self._pending:
             self._dispatch()
         outputs = []
-        for i, replica_outputs in self._receive_outputs(sorted({i for i, _ in self._owner.values()})):
+        for i, replica_outputs in self._receive_outputs(self._busy()):
             for out in replica_outputs:
-                if out.request_id not in self._owner:
+                out.request_id = self._sent.get(out.request_id)
+                if out.request_id is None:
                     continue  # aborted after the replica sent it
                 outputs.append(out)
                 if out.finished:
-                    self._loads[i] -= self._owner.pop(out.request_id)[1]
+                    self._forget(out.request_id)
         return outputs
+
+    def _busy(self) -> list[int]:
+        return sorted({i for i, _, _ in self._owner.values()})
+
+    def _forget(self, request_id: str) -> tuple[int, str]:
+        """Drop a sent request here; returns (its replica, the id it was sent with)."""
+        i, load, sent = self._owner.pop(request_id)
+        del self._sent[sent]
+        self._loads[i] -= load
+        return i, sent
 
     def _dispatch(self):
         """Each queued request, largest load first, to the replica with the least outstanding load."""
         batches = [[] for _ in self._loads]
-        for *request, load in sorted(self._pending, key=lambda r: -r[-1]):
-            i = self._loads.index(min(self._loads))
-            batches[i].append(tuple(request))  # add_request's arguments, in its order
+        for request_id, *request, load in sorted(self._pending, key=lambda r: -r[-1]):
+            i, sent = self._loads.index(min(self._loads)), str(next(self._sent_ids))
+            batches[i].append((sent, *request))  # add_request's arguments, in its order
             self._loads[i] += load
-            self._owner[request[0]] = (i, load)
+            self._owner[request_id], self._sent[sent] = (i, load, sent), request_id
         self._pending = []
         for i, batch in enumerate(batches):
             if batch:
@@ -111,14 +128,13 @@ class ReplicaRouter(EngineBase):
         self._pending = [r for r in self._pending if r[0] not in ids]
         by_replica: dict[int, list[str]] = {}
         for rid in ids & self._owner.keys():
-            i, load = self._owner.pop(rid)
-            self._loads[i] -= load
-            by_replica.setdefault(i, []).append(rid)
+            i, sent = self._forget(rid)
+            by_replica.setdefault(i, []).append(sent)
         for i, rids in by_replica.items():
             self._send_abort(i, rids)
 
     def _forget_all(self) -> list[int]:
         """Drop every request here; returns the replicas that were busy."""
-        busy = sorted({i for i, _ in self._owner.values()})
-        self._pending, self._owner, self._loads = [], {}, [0] * len(self._loads)
+        busy = self._busy()
+        self._pending, self._owner, self._sent, self._loads = [], {}, {}, [0] * len(self._loads)
         return busy
