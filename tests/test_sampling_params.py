@@ -339,6 +339,18 @@ def test_incremental_detokenizer_keeps_multibyte_characters_whole(demo):
     assert find_stop_string(detok.text, 3, ("🎉",)) == ("🎉", len(text) - 2)
 
 
+def test_a_character_cut_short_is_left_out_of_the_text_with_or_without_stop_strings(demo):
+    """max_tokens ends the completion inside a character: the whole-completion decode (no stop
+    strings) leaves it out as the incremental one (stop strings) does."""
+    tok = demo.tokenizer
+    pieces = (tok.encode(c, add_special_tokens=False)[0] for c in "𝔘龘🦩𓀀")
+    first = next(t for t in pieces if tok.decode([t]) == "\ufffd")  # a piece of a character
+    texts = [demo.generate([tok.encode("Say:")], SamplingParams(temperature=0, max_tokens=1, allowed_token_ids=[first],
+                                                                **stop), use_tqdm=False)[0].outputs[0].text
+             for stop in ({}, {"stop": ["@@@"]})]
+    assert texts == ["", ""]
+
+
 def test_chat_refuses_a_message_without_role_or_content(demo):
     """Qwen's template would drop such a message silently and answer the system prompt alone."""
     for bad in ({"content": "no role"}, {"role": "user"}, "just text"):

@@ -246,6 +246,8 @@ class Processor:
             text = self.tokenizer.decode(known[:-1] if by_token and not params.include_stop_str_in_output else known,
                                          skip_special_tokens=params.skip_special_tokens,
                                          spaces_between_special_tokens=params.spaces_between_special_tokens)
+            # a character max_tokens cut short is left out, as the incremental detokenizer leaves it
+            text = text.rstrip("\ufffd")
         else:
             text = ""
         if delta:
