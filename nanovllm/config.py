@@ -45,7 +45,7 @@ class Config(EngineArgs):
         device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                               else "cpu" if args.device == "auto" else args.device)
         tok = load_tokenizer(path, load_format, hf_config, args.trust_remote_code, args.tokenizer) \
-            if with_tokenizer else None
+            if with_tokenizer and not args.skip_tokenizer_init else None
         dtype = _resolve_dtype(args.dtype, device, hf_config)
         backend = _resolve_backend(args.attention_backend, device, _head_dim(hf_config))
         if device.type == "cpu" and args.gpu_memory_utilization != _default("gpu_memory_utilization"):

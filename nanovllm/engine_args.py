@@ -101,6 +101,12 @@ VLLM_ONLY_ARGS = {
     "max_seq_len_to_capture": "CUDA graphs serve decode steps at any context length",
     "disable_log_stats": "the engine logs no statistics; get_metrics() returns them",
     "scheduling_policy": "requests are scheduled first come, first served",
+    "task": "nanovllm runs generative models only (no pooling, embedding or scoring)",
+    "runner": "nanovllm runs generative models only (no pooling, embedding or scoring)",
+    "async_scheduling": "steps already overlap: the next one is launched before the last one's tokens are read",
+    "num_gpu_blocks_override": "num_kvcache_blocks sets the KV cache's block count",
+    "tokenizer_revision": "a hub tokenizer is fetched at its default revision; pass a local directory for another",
+    "model_impl": "the models are nanovllm's own (nanovllm/models); there is no transformers fallback",
 }
 
 
@@ -152,6 +158,8 @@ class EngineArgs:
     tokenizer (vLLM's meaning); the model itself must still be an architecture nanovllm implements.
     tokenizer: a tokenizer folder or hub id to use instead of the model's (e.g. the original
     model's beside a .gguf file, as vLLM advises for GGUF); None: the model's own.
+    skip_tokenizer_init: load no tokenizer: prompts are token ids, and completions have no text.
+    enable_prefix_caching: None is vLLM's default, on.
     enable_lora: serve PEFT LoRA adapters (generate(..., lora_request=...)); max_loras: adapters in
     one step (their slots on the device); max_lora_rank: the largest adapter rank; max_cpu_loras:
     adapters kept on the host (default max_loras, at least as many).
@@ -172,7 +180,7 @@ class EngineArgs:
     kvcache_block_size: int = _DEFAULT_BLOCK_SIZE
     num_kvcache_blocks: int | None = None
     cpu_kvcache_space_gib: float = 4.0
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool | None = True
     enforce_eager: bool = False
     dtype: str | torch.dtype = "auto"
     kv_cache_dtype: str | torch.dtype = "auto"
@@ -190,6 +198,7 @@ class EngineArgs:
     distributed_executor_backend: str = "mp"
     trust_remote_code: bool = False
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -242,7 +251,10 @@ class EngineArgs:
             raise ValueError(f"seed must be an integer or None (a random one), got {self.seed!r}")
         if self.tokenizer is not None and not isinstance(self.tokenizer, (str, os.PathLike)):
             raise ValueError(f"tokenizer must be a folder or hub id (a string) or None, got {self.tokenizer!r}")
-        for name in ("trust_remote_code", "enable_lora", "enable_expert_parallel"):
+        if self.enable_prefix_caching is None:  # vLLM's default: on for generative models
+            self.enable_prefix_caching = True
+        for name in ("trust_remote_code", "enable_lora", "enable_expert_parallel", "enable_prefix_caching",
+                     "enforce_eager", "skip_tokenizer_init"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         cpu_loras = self.max_cpu_loras

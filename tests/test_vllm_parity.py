@@ -161,6 +161,30 @@ def test_engine_args_are_checked_by_name(tiny_qwen3):
         LLMEngine.from_engine_args(tiny_qwen3[0], enable_chunked_prefill=True)
     with pytest.raises(ValueError, match="block_size=16 and kvcache_block_size=32 are two names for one argument"):
         EngineArgs(model=tiny_qwen3[0], block_size=16, kvcache_block_size=32)
+    with pytest.raises(TypeError, match="no engine argument 'task': nanovllm runs generative models only"):
+        LLM(tiny_qwen3[0], task="embed", **ARGS)
+    with pytest.raises(ValueError, match="enforce_eager must be True or False"):
+        LLM(tiny_qwen3[0], enforce_eager="yes", **ARGS)
+
+
+def test_vllm_defaults_none_and_skip_tokenizer_init(tiny_qwen3, tmp_path):
+    """enable_prefix_caching=None (vLLM's default) is on; skip_tokenizer_init loads none: token
+    prompts run, text prompts are refused naming the tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    assert LLM(tiny_qwen3[0], enable_prefix_caching=None, **ARGS).config.enable_prefix_caching is True
+    path = tmp_path / "m"
+    shutil.copytree(tiny_qwen3[0], path)
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="w1").save_pretrained(path)
+    assert LLM(str(path), **ARGS).get_tokenizer() is not None
+    llm = LLM(str(path), skip_tokenizer_init=True, **ARGS)
+    assert llm.get_tokenizer() is None
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].text == ""
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["text"], use_tqdm=False)
 
 
 def test_generate_takes_vllm_positional_arguments_and_priority(llm):
