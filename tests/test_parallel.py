@@ -97,6 +97,11 @@ def test_data_parallel_matches_one_replica(tiny_qwen3):
         outputs += engine.step()
     assert {o.prompt_token_ids == prompts[1] for o in outputs} == {True}
     assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == expected[1]
+    engine.add_request("defaults", prompts[2])  # no params: SamplingParams(), as a single engine takes it
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].request_id == "defaults" and outputs[-1].finished
     procs = llm.engine.procs
     del llm, dispatch
     engine = send = None  # the closure's names: released, as the engine must be for its replicas to exit

@@ -10,10 +10,11 @@ class EngineBase(ABC):
     config: Config
 
     @abstractmethod
-    def add_request(self, request_id: str, prompt, params, arrival_time: float | None = None,
+    def add_request(self, request_id: str, prompt, params=None, arrival_time: float | None = None,
                     lora_request=None, priority: int = 0) -> None:
         """Validate one request and queue it; ValueError (nothing queued) when it is invalid.
         prompt: a string, a list of token ids, or {"prompt_token_ids": [...], "prompt": text};
+        params: its SamplingParams (None: SamplingParams());
         arrival_time: vLLM's, which it keeps for its request metrics: requests run in the order
         they are added and RequestOutput.metrics is None here, so it changes nothing; lora_request:
         the LoRARequest of the adapter it runs with, or None; priority: 0 (no priority

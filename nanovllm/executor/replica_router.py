@@ -7,6 +7,7 @@ from nanovllm.config import Config
 from nanovllm.engine.base import EngineBase
 from nanovllm.engine.processor import Processor
 from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
 
 
 def request_load(prompt_len: int, max_tokens: int, n: int = 1) -> int:
@@ -45,9 +46,11 @@ class ReplicaRouter(EngineBase):
             self.config = replace(self.config, max_model_len=max_model_len)
             self.processor = Processor(self.config)
 
-    def add_request(self, request_id: str, prompt, params, arrival_time=None, lora_request=None, priority=0) -> None:
+    def add_request(self, request_id: str, prompt, params=None, arrival_time=None, lora_request=None,
+                    priority=0) -> None:
         if request_id in self._owner or any(r[0] == request_id for r in self._pending):
             raise ValueError(f"request id {request_id!r} is already in use by an unfinished request")
+        params = params or SamplingParams()
         request = self.processor.make_request(request_id, prompt, params, lora_request, priority, arrival_time)
         prompt = {"prompt_token_ids": request.prompt_token_ids, "prompt": request.prompt}  # tokenized once
         max_tokens = params.max_tokens or self.config.max_model_len - len(request.prompt_token_ids)
