@@ -124,26 +124,37 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, lora_request=None,
              chat_template: str | None = None, add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a list
         of them, each rendered by the tokenizer's chat template (or `chat_template`); tools (JSON
         schemas of functions) and chat_template_kwargs go to the template (e.g. {"enable_thinking":
-        False} for Qwen3). A content may also be a list of OpenAI-style text parts ({"type": "text",
-        "text": ...}), joined with newlines as vLLM does for templates that take strings.
-        lora_request: as generate's, one per conversation.
-        ValueError when the model has no tokenizer or no chat template, a message is not a dict
-        with "role" and "content" (some templates would drop it without a word), or a content
-        part is not text (no multimodal input here)."""
+        False} for Qwen3), whose keys override the arguments of the same name, as vLLM's. A
+        content may also be a list of OpenAI-style text parts ({"type": "text", "text": ...}),
+        joined with newlines for the template ("auto" or "string" chat_template_content_format,
+        vLLM's) or passed as they are ("openai"); an assistant message with tool_calls may have no
+        content. lora_request: as generate's, one per conversation.
+        ValueError when the model has no tokenizer or no chat template, messages is not a
+        conversation or a list of them, a message is not a dict with "role" and "content" (some
+        templates would drop it without a word), or a content part is not text (no multimodal
+        input here)."""
         if self.tokenizer is None:
             raise ValueError("chat needs the model's tokenizer, and it has none")
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', "
+                             f"got {chat_template_content_format!r}")
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError(f"messages must be a conversation (a list of {{\"role\", \"content\"}} dicts) or a "
+                             f"list of them, got {type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        conversations = [[_text_message(message, i, j) for j, message in enumerate(conversation)]
+        join = chat_template_content_format != "openai"
+        conversations = [[_text_message(message, i, j, join) for j, message in enumerate(conversation)]
                          for i, conversation in enumerate(conversations)]
+        kwargs = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                      continue_final_message=continue_final_message, tools=tools) | (chat_template_kwargs or {})
         try:
-            prompts = [self.tokenizer.apply_chat_template(
-                conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tools=tools, **(chat_template_kwargs or {}))
-                for conversation in conversations]
+            prompts = [self.tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
+                       for conversation in conversations]
         except ValueError as e:  # transformers: no chat template
             raise ValueError(f"cannot apply the chat template: {e}") from None
         # the template already holds the special tokens (e.g. BOS); encode must not add them again
@@ -193,8 +204,11 @@ def _pooling_unsupported(method: str) -> NotImplementedError:
                                f"which nanovllm does not support: it generates text (LLM.generate, LLM.chat)")
 
 
-def _text_message(message, i: int, j: int) -> dict:
-    """Message j of conversation i, its content as one string if it came as a list of text parts."""
+def _text_message(message, i: int, j: int, join: bool) -> dict:
+    """Message j of conversation i, its content as one string if it came as a list of text parts
+    and join; content None for a message of tool_calls without one (as OpenAI allows)."""
+    if isinstance(message, dict) and "content" not in message and "tool_calls" in message:
+        message = {**message, "content": None}
     if not isinstance(message, dict) or "role" not in message or "content" not in message:
         raise ValueError(f"conversation {i}, message {j}: a message is a dict with \"role\" and \"content\", "
                          f"got {message!r}")
@@ -205,4 +219,4 @@ def _text_message(message, i: int, j: int) -> dict:
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise ValueError(f"conversation {i}, message {j}: content parts must be text, "
                              f"{{\"type\": \"text\", \"text\": str}} (no multimodal input), got {part!r}")
-    return {**message, "content": "\n".join(part["text"] for part in content)}
+    return {**message, "content": "\n".join(part["text"] for part in content)} if join else message

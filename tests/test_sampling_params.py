@@ -439,6 +439,23 @@ def test_chat_takes_text_parts_and_tools(demo):
                                              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
     out = demo.chat([{"role": "user", "content": "Weather in Paris?"}], params, tools=[tool], use_tqdm=False)[0]
     assert "get_weather" in out.prompt and "get_weather" not in plain.prompt
+    # vLLM's ways to say the same: tools among chat_template_kwargs; text parts in "string" format
+    kwargs = demo.chat([{"role": "user", "content": "Weather in Paris?"}], params,
+                       chat_template_kwargs={"tools": [tool]}, use_tqdm=False)[0]
+    assert kwargs.prompt == out.prompt
+    string = demo.chat([{"role": "user", "content": [{"type": "text", "text": "Say hi."},
+                                                     {"type": "text", "text": "Briefly."}]}],
+                       params, chat_template_content_format="string", use_tqdm=False)[0]
+    assert string.prompt_token_ids == plain.prompt_token_ids
+    call = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "get_weather",
+                                                                                  "arguments": {"city": "Paris"}}}]}
+    turns = demo.chat([{"role": "user", "content": "Weather in Paris?"}, call,
+                       {"role": "tool", "content": "sunny"}], params, tools=[tool], use_tqdm=False)[0]
+    assert '"city": "Paris"' in turns.prompt and "sunny" in turns.prompt  # a call without content (OpenAI's)
+    with pytest.raises(ValueError, match="messages must be a conversation .* got str"):
+        demo.chat("Weather in Paris?", params)
+    with pytest.raises(ValueError, match="chat_template_content_format must be"):
+        demo.chat([{"role": "user", "content": "hi"}], params, chat_template_content_format="json")
 
 
 def test_clone_is_a_deep_copy():
