@@ -198,6 +198,28 @@ class LLM:
     def reward(self, *args, **kwargs):
         raise _pooling_unsupported("reward")
 
+    def sleep(self, *args, **kwargs):
+        raise NotImplementedError("LLM.sleep and wake_up are not supported: delete the LLM to free its GPU "
+                                  "memory, and create another when needed")
+
+    def wake_up(self, *args, **kwargs):
+        self.sleep()
+
+    def collective_rpc(self, *args, **kwargs):
+        raise NotImplementedError("LLM.collective_rpc and apply_model are not supported; with one GPU the model "
+                                  "runs in this process: llm.llm_engine.model_runner.model")
+
+    def apply_model(self, *args, **kwargs):
+        self.collective_rpc()
+
+    def start_profile(self, *args, **kwargs):
+        raise NotImplementedError("LLM.start_profile and stop_profile are not supported: run generate under "
+                                  "torch.profiler.profile (the engine runs in this process with one GPU), or "
+                                  "bench.py --profile DIR")
+
+    def stop_profile(self, *args, **kwargs):
+        self.start_profile()
+
 
 def _pooling_unsupported(method: str) -> NotImplementedError:
     return NotImplementedError(f"LLM.{method} runs a pooling model (embeddings, classification, scores, rewards), "

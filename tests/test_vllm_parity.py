@@ -337,6 +337,10 @@ def test_unsupported_llm_features_say_so(llm):
     for method in ("embed", "encode", "classify", "score", "reward"):
         with pytest.raises(NotImplementedError, match=f"LLM.{method} runs a pooling model.*not support"):
             getattr(llm, method)(["a"])
+    for pair in [("sleep", "wake_up"), ("collective_rpc", "apply_model"), ("start_profile", "stop_profile")]:
+        for method in pair:
+            with pytest.raises(NotImplementedError, match=f"LLM.{pair[0]} and {pair[1]} are not supported"):
+                getattr(llm, method)()
     with pytest.raises(AttributeError):  # a real typo still is one
         llm.generat([[1, 2]])
     with pytest.raises(TypeError, match="top_kk"):
