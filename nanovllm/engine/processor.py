@@ -155,8 +155,8 @@ class Processor:
                                  f"raise the engine argument max_logprobs (-1: no limit)")
             if k is not None and k > self.vocab_size:
                 raise ValueError(f"{name}={k} is more than the vocabulary's {self.vocab_size} tokens")
-        masked = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else self.eos_token_ids)
-        if params.min_tokens and params.allowed_token_ids is not None and set(params.allowed_token_ids) <= masked:
+        if params.min_tokens and params.allowed_token_ids is not None and set(params.allowed_token_ids) <= \
+                set(params.stop_token_ids or ()) | (set() if params.ignore_eos else self.eos_token_ids):
             raise ValueError(f"min_tokens={params.min_tokens} masks every one of allowed_token_ids "
                              f"{sorted(params.allowed_token_ids)} (end-of-sequence or stop_token_ids) until then: "
                              f"nothing could be sampled")
